@@ -1,0 +1,1 @@
+"""The loaderd client: what trainers import, and the wire contract shared with the daemon."""

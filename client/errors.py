@@ -1,0 +1,42 @@
+"""Errors raised on purpose by the client, shared with the daemon through the protocol."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    """What went wrong, as the daemon reports it in an ERROR reply."""
+
+    BAD_MESSAGE = 1  # malformed frames, bad magic, bad JSON, wrong sizes
+    BAD_VERSION = 2  # the peer speaks another protocol version
+    UNKNOWN_TYPE = 3  # a message type this daemon does not handle
+    UNKNOWN_JOB = 4  # a request names a job nobody opened
+    BAD_RANK = 5  # rank outside [0, world_size)
+    BAD_ARGUMENT = 6  # a field has the wrong type or value
+    JOB_CONFLICT = 7  # the job exists with another world_size / seed / batch size
+    CORRUPT_RECORD = 8  # a stored record failed its checksum
+    NOT_FOUND = 9  # e.g. no snapshot stored yet
+    STORAGE = 10  # a tier or the store failed (full disk, I/O error)
+    INTERNAL = 15  # a bug in the daemon; it logged the traceback and kept serving
+
+
+class LoaderdError(Exception):
+    """Base class for every error loaderd raises on purpose."""
+
+
+class ProtocolError(LoaderdError):
+    """Bad magic, malformed frames or a protocol version mismatch."""
+
+
+class DaemonUnavailableError(LoaderdError, ConnectionError):
+    """The daemon did not answer within the timeout: it is gone, hung or unreachable."""
+
+
+class RemoteError(LoaderdError):
+    """The daemon answered a request with an ERROR reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message

@@ -1,0 +1,346 @@
+"""The wire format between trainers and the daemon: the one place that knows frame order.
+
+A message is a list of ZeroMQ frames (the ROUTER socket adds the peer's identity in front)::
+
+    [header, meta, payload_0, payload_1, ...]
+
+* ``header`` is ``HEADER``: magic, protocol version, message type, flags, request id.
+* ``meta`` is a small UTF-8 JSON object whose keys depend on the type (``REQUEST_FIELDS``).
+* payload frames carry raw array bytes, never pickles. A BATCH carries ``ids`` (int64),
+  ``weights`` (float32), then one frame per fixed-shape field (``[n, *shape]`` in C order)
+  and two per variable-length field (int64 offsets ``[n + 1]``, then the bytes).
+
+Replies echo the request id, so a client with several requests in flight (credit-based
+prefetching) can match them. Everything a peer sends is validated here before anyone acts on
+it: a bad message becomes a ``ProtocolError`` naming what was wrong, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from loaderd.client.errors import ErrorCode, ProtocolError
+
+MAGIC = b"LDRD"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sBBHQ")  # magic, version, msg_type, flags, request_id
+MAX_META_BYTES = 1 << 20  # a meta object larger than this is an attack or a bug
+MAX_FRAMES = 4096
+# ZMQ_MAXMSGSIZE for sockets: one frame may not exceed this (a batch of 256 × 1 MB fits).
+MAX_FRAME_BYTES = 1 << 30
+
+Buffer = bytes | bytearray | memoryview
+
+
+class MsgType(IntEnum):
+    """Message types; the comment names the meta keys and the reply."""
+
+    PING = 1  # {} -> PONG
+    PONG = 2  # {"version", "pid", "uptime_s"}
+    HELLO = 3  # {"job", "rank", "world_size", "seed", "batch_size", "options"} -> WELCOME
+    WELCOME = 4  # {"schema", "num_samples", "job"}
+    OPEN_PASS = 5  # {"job", "rank", "worker", "phase"} -> PASS
+    PASS = 6  # {"epoch", "phase", "batches"}
+    GET_BATCH = 7  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> BATCH | END
+    BATCH = 8  # {"epoch", "phase", "index", "n", "fields"}; payload frames (module doc)
+    END = 9  # {"epoch", "phase"}: this pass has no batch left to hand out
+    ACK = 10  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> OK
+    FEEDBACK = 11  # {"job", "kind"}; frames: ids int64, losses float32 -> OK
+    OK = 12  # {} or a small result
+    STATS = 13  # {} -> STATS_REPLY
+    STATS_REPLY = 14  # the statistics object (see loaderd.stats)
+    ERROR = 15  # {"code", "message"}
+
+
+PHASES = ("train", "rescore")
+FEEDBACK_KINDS = ("train", "rescore")
+
+# Required meta keys per request type, with the JSON type each must have. A request that lacks
+# one, or has it with another type, is refused with BAD_ARGUMENT naming the key.
+_INT = (int,)
+_STR = (str,)
+REQUEST_FIELDS: dict[MsgType, dict[str, tuple[type, ...]]] = {
+    MsgType.PING: {},
+    MsgType.HELLO: {
+        "job": _STR,
+        "rank": _INT,
+        "world_size": _INT,
+        "seed": _INT,
+        "batch_size": _INT,
+        "options": (dict,),
+    },
+    MsgType.OPEN_PASS: {"job": _STR, "rank": _INT, "worker": _INT, "phase": _STR},
+    MsgType.GET_BATCH: {
+        "job": _STR,
+        "rank": _INT,
+        "worker": _INT,
+        "epoch": _INT,
+        "phase": _STR,
+        "acks": (list,),
+    },
+    MsgType.ACK: {
+        "job": _STR,
+        "rank": _INT,
+        "worker": _INT,
+        "epoch": _INT,
+        "phase": _STR,
+        "acks": (list,),
+    },
+    MsgType.FEEDBACK: {"job": _STR, "kind": _STR},
+    MsgType.STATS: {},
+}
+
+
+@dataclass(slots=True)
+class Message:
+    """One decoded message: its type, request id, meta object and raw payload frames."""
+
+    type: MsgType
+    request_id: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    frames: list[memoryview] = field(default_factory=list)
+    flags: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """How one field of a sample travels: a numpy dtype and shape, or variable-length bytes.
+
+    ``dtype`` is a numpy dtype name (``"uint8"``, ``"float32"``, ...) for fixed-shape fields,
+    or ``"binary"`` / ``"string"`` for variable-length ones (``shape`` is then ``()``).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    @property
+    def variable(self) -> bool:
+        """Whether the field has a length of its own per sample."""
+        return self.dtype in ("binary", "string")
+
+    def to_json(self) -> dict[str, Any]:
+        """The field as a JSON-ready object."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> FieldSpec:
+        """Parse a field sent by the daemon, checking every part."""
+        try:
+            name, dtype, shape = obj["name"], obj["dtype"], tuple(int(d) for d in obj["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed field spec {obj!r}") from e
+        if not isinstance(name, str) or not isinstance(dtype, str):
+            raise ProtocolError(f"malformed field spec {obj!r}")
+        if dtype not in ("binary", "string"):
+            try:
+                np.dtype(dtype)
+            except TypeError as e:
+                raise ProtocolError(f"field {name!r} has unknown dtype {dtype!r}") from e
+        return cls(name=name, dtype=dtype, shape=shape)
+
+
+@dataclass(slots=True)
+class VarColumn:
+    """A variable-length field of a batch: sample i is ``data[offsets[i]:offsets[i + 1]]``."""
+
+    offsets: np.ndarray
+    data: memoryview
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def item(self, i: int) -> memoryview:
+        """Sample i's bytes, without a copy."""
+        return self.data[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+
+Column = np.ndarray | VarColumn
+
+
+@dataclass(slots=True)
+class BatchArrays:
+    """A batch as arrays: sample ids, per-sample weights and one column per field."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+    columns: dict[str, Column]
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> list[Buffer]:
+    """Encode a message into frames (without the ROUTER identity)."""
+    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.type), msg.flags, msg.request_id)
+    meta = json.dumps(msg.meta, separators=(",", ":")).encode()
+    return [header, meta, *msg.frames]
+
+
+def error_message(request_id: int, code: ErrorCode, message: str) -> Message:
+    """An ERROR reply for the request with this id."""
+    return Message(MsgType.ERROR, request_id, {"code": int(code), "message": message})
+
+
+def batch_frames(arrays: BatchArrays, schema: Sequence[FieldSpec]) -> list[Buffer]:
+    """Payload frames of a BATCH in the schema's field order (arrays must be C-contiguous)."""
+    frames: list[Buffer] = [_raw(arrays.ids), _raw(arrays.weights)]
+    for spec in schema:
+        col = arrays.columns[spec.name]
+        if isinstance(col, VarColumn):
+            frames += [_raw(col.offsets), col.data]
+        else:
+            frames.append(_raw(col))
+    return frames
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    assert a.flags.c_contiguous, "payload arrays must be C-contiguous"
+    return memoryview(a).cast("B")
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Decode frames (bytes or zmq.Frame) into a Message, validating header and meta.
+
+    Raises:
+        ProtocolError: the frames are not a well-formed message of this protocol version.
+    """
+    if len(frames) < 2:
+        raise ProtocolError(f"expected at least 2 frames (header, meta), got {len(frames)}")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(f"too many frames: {len(frames)} > {MAX_FRAMES}")
+    views = [memoryview(f) for f in frames]
+    head = views[0]
+    if head.nbytes != HEADER.size:
+        raise ProtocolError(f"header must be {HEADER.size} bytes, got {head.nbytes}")
+    magic, version, type_, flags, request_id = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"expected protocol {PROTOCOL_VERSION}, peer sent {version}")
+    try:
+        msg_type = MsgType(type_)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {type_}") from None
+    if views[1].nbytes > MAX_META_BYTES:
+        raise ProtocolError(f"meta is {views[1].nbytes} bytes, limit {MAX_META_BYTES}")
+    try:
+        meta = json.loads(views[1].tobytes()) if views[1].nbytes else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"meta of {msg_type.name} is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"meta of {msg_type.name} must be a JSON object")
+    return Message(msg_type, request_id, meta, views[2:], flags)
+
+
+def peek_request_id(frames: Sequence[Any]) -> int:
+    """The request id of a message whose decoding failed, or 0 when even the header is bad."""
+    if frames and memoryview(frames[0]).nbytes == HEADER.size:
+        return int(HEADER.unpack(memoryview(frames[0]))[4])
+    return 0
+
+
+def check_request(msg: Message) -> None:
+    """Check that a request carries every meta key its type needs, with the right JSON type.
+
+    Raises:
+        ProtocolError: the type is not a request, or a key is missing or mistyped.
+    """
+    fields = REQUEST_FIELDS.get(msg.type)
+    if fields is None:
+        raise ProtocolError(f"{msg.type.name} is not a request")
+    for key, types in fields.items():
+        value = msg.meta.get(key)
+        # bool is an int to Python, never to us
+        if value is None or isinstance(value, bool) or not isinstance(value, types):
+            want = "/".join(t.__name__ for t in types)
+            raise ProtocolError(f"{msg.type.name}: field {key!r} must be {want}, got {value!r}")
+
+
+def check_int_list(name: str, value: Any, limit: int) -> list[int]:
+    """Validate a list of non-negative ints (e.g. ``acks``) of at most ``limit`` entries."""
+    if not isinstance(value, list) or len(value) > limit:
+        raise ProtocolError(f"field {name!r} must be a list of at most {limit} ints")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ProtocolError(f"field {name!r} must hold non-negative ints")
+    return value
+
+
+def decode_error(msg: Message) -> tuple[ErrorCode, str]:
+    """The code and message of an ERROR reply (an unknown code reads as INTERNAL)."""
+    try:
+        code = ErrorCode(int(msg.meta.get("code", ErrorCode.INTERNAL)))
+    except (TypeError, ValueError):
+        code = ErrorCode.INTERNAL
+    return code, str(msg.meta.get("message", "no message"))
+
+
+def decode_feedback(msg: Message) -> tuple[np.ndarray, np.ndarray]:
+    """The (ids int64, losses float32) arrays of a FEEDBACK request, without copying."""
+    if len(msg.frames) != 2:
+        raise ProtocolError(f"FEEDBACK needs 2 payload frames (ids, losses), got {len(msg.frames)}")
+    ids_b, loss_b = msg.frames
+    if ids_b.nbytes % 8 or loss_b.nbytes % 4 or ids_b.nbytes // 8 != loss_b.nbytes // 4:
+        raise ProtocolError(
+            f"FEEDBACK frames disagree: {ids_b.nbytes} bytes of int64 ids, "
+            f"{loss_b.nbytes} bytes of float32 losses"
+        )
+    return np.frombuffer(ids_b, np.int64), np.frombuffer(loss_b, np.float32)
+
+
+def feedback_frames(ids: np.ndarray, losses: np.ndarray) -> list[Buffer]:
+    """Payload frames of a FEEDBACK request."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    losses = np.ascontiguousarray(losses, dtype=np.float32)
+    if ids.shape != losses.shape or ids.ndim != 1:
+        raise ValueError(f"ids {ids.shape} and losses {losses.shape} must be 1-D and equal")
+    return [_raw(ids), _raw(losses)]
+
+
+def decode_batch(msg: Message, schema: Sequence[FieldSpec]) -> BatchArrays:
+    """Turn a BATCH's frames into arrays that view the frames' memory (no copy).
+
+    Raises:
+        ProtocolError: a frame is missing or its size does not match the schema.
+    """
+    n = msg.meta.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ProtocolError(f"BATCH: field 'n' must be a non-negative int, got {n!r}")
+    want = 2 + sum(2 if s.variable else 1 for s in schema)
+    if len(msg.frames) != want:
+        raise ProtocolError(f"BATCH of this schema needs {want} frames, got {len(msg.frames)}")
+    frames = iter(msg.frames)
+    ids = _array(next(frames), np.dtype(np.int64), (n,), "ids")
+    weights = _array(next(frames), np.dtype(np.float32), (n,), "weights")
+    columns: dict[str, Column] = {}
+    for spec in schema:
+        if spec.variable:
+            offsets = _array(next(frames), np.dtype(np.int64), (n + 1,), spec.name)
+            data = next(frames)
+            if n and (
+                offsets[0] != 0 or offsets[-1] != data.nbytes or np.any(np.diff(offsets) < 0)
+            ):
+                raise ProtocolError(f"BATCH: offsets of field {spec.name!r} do not fit its data")
+            columns[spec.name] = VarColumn(offsets, data)
+        else:
+            columns[spec.name] = _array(
+                next(frames), np.dtype(spec.dtype), (n, *spec.shape), spec.name
+            )
+    return BatchArrays(ids, weights, columns)
+
+
+def _array(buf: memoryview, dtype: np.dtype[Any], shape: tuple[int, ...], name: str) -> np.ndarray:
+    expected = dtype.itemsize * int(np.prod(shape))
+    if buf.nbytes != expected:
+        raise ProtocolError(f"BATCH: frame {name!r} has {buf.nbytes} bytes, expected {expected}")
+    return np.frombuffer(buf, dtype).reshape(shape)

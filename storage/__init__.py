@@ -1,0 +1,1 @@
+"""Everything that holds bytes: records, the LMDB store, ingest, and the cache tiers."""
