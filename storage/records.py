@@ -1,0 +1,247 @@
+"""A sample's fields <-> one record of bytes, with its xxh3 checksum.
+
+Record layout (little endian)::
+
+    header  <QII   xxh3_64(body), len(body), RECORD_VERSION
+    body    fixed-shape fields at 8-byte aligned offsets (C order), then one u32 length per
+            variable-length field, then their bytes
+
+Fixed fields sit at offsets known from the schema alone, so batch assembly copies a field out
+of a record with one slice, without parsing. The checksum covers the whole body: a record that
+fails it is never served.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from loaderd.storage.errors import CorruptRecordError
+
+RECORD_HEADER = struct.Struct("<QII")
+RECORD_VERSION = 1
+_ALIGN = 8
+_VARLEN = struct.Struct("<I")
+VARIABLE_DTYPES = ("binary", "string")
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One named field: a numpy dtype and shape, or variable-length ``binary`` / ``string``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a field needs a name")
+        if self.dtype in VARIABLE_DTYPES:
+            if self.shape:
+                raise ValueError(f"field {self.name!r}: {self.dtype} fields have no shape")
+            return
+        dt = np.dtype(self.dtype)
+        if dt.kind not in "biuf" or dt.byteorder == ">":
+            raise ValueError(f"field {self.name!r}: unsupported dtype {self.dtype!r}")
+        if any(d <= 0 for d in self.shape):
+            raise ValueError(f"field {self.name!r}: shape {self.shape} has an empty dimension")
+
+    @property
+    def variable(self) -> bool:
+        """Whether each sample has its own length for this field."""
+        return self.dtype in VARIABLE_DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one sample's value (fixed fields only)."""
+        return np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """The ordered fields of every record in a store, and the record layout they imply."""
+
+    fields: tuple[Field, ...]
+
+    def __post_init__(self) -> None:
+        if not self.fields:
+            raise ValueError("a schema needs at least one field")
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate field names in {names}")
+        reserved = {"id", "weight"} & set(names)
+        if reserved:
+            raise ValueError(f"field names {sorted(reserved)} are reserved for loaderd")
+
+    @property
+    def layout(self) -> Layout:
+        """Byte offsets of the fixed fields and the size of the fixed part."""
+        return _layout(self)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The schema as JSON-ready objects."""
+        return [{"name": f.name, "dtype": f.dtype, "shape": list(f.shape)} for f in self.fields]
+
+    @classmethod
+    def from_json(cls, obj: Sequence[Mapping[str, Any]]) -> Schema:
+        """Inverse of ``to_json``."""
+        return cls(tuple(Field(o["name"], o["dtype"], tuple(o["shape"])) for o in obj))
+
+    def to_arrow(self) -> pa.Schema:
+        """The schema as Arrow: fixed fields are fixed-size lists with their shape in metadata."""
+        out = []
+        for f in self.fields:
+            if f.variable:
+                t = pa.binary() if f.dtype == "binary" else pa.string()
+            else:
+                prim = pa.from_numpy_dtype(np.dtype(f.dtype))
+                size = int(np.prod(f.shape, dtype=np.int64))
+                t = pa.list_(prim, size) if f.shape else prim
+            out.append(pa.field(f.name, t, metadata={"shape": json.dumps(list(f.shape))}))
+        return pa.schema(out)
+
+    @classmethod
+    def from_arrow(cls, schema: pa.Schema) -> Schema:
+        """Inverse of ``to_arrow``."""
+        fields = []
+        for af in schema:
+            shape = tuple(json.loads((af.metadata or {}).get(b"shape", b"[]")))
+            t = af.type
+            if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+                fields.append(Field(af.name, "binary"))
+            elif pa.types.is_string(t) or pa.types.is_large_string(t):
+                fields.append(Field(af.name, "string"))
+            else:
+                prim = t.value_type if pa.types.is_fixed_size_list(t) else t
+                fields.append(Field(af.name, np.dtype(prim.to_pandas_dtype()).name, shape))
+        return cls(tuple(fields))
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where each fixed field lives in a record's body."""
+
+    offsets: Mapping[str, int]
+    fixed_bytes: int  # size of the fixed part, aligned
+    variable: tuple[str, ...]  # names of the variable-length fields, in order
+
+
+_LAYOUTS: dict[Schema, Layout] = {}
+
+
+def _layout(schema: Schema) -> Layout:
+    cached = _LAYOUTS.get(schema)
+    if cached is not None:
+        return cached
+    offsets: dict[str, int] = {}
+    pos = 0
+    for f in schema.fields:
+        if not f.variable:
+            offsets[f.name] = pos
+            pos += -(-f.nbytes // _ALIGN) * _ALIGN
+    layout = Layout(offsets, pos, tuple(f.name for f in schema.fields if f.variable))
+    _LAYOUTS[schema] = layout
+    return layout
+
+
+class RecordCodec:
+    """Encodes samples of one schema into records and reads them back."""
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.layout = schema.layout
+
+    @cached_property
+    def _fixed(self) -> list[tuple[Field, int]]:
+        return [(f, self.layout.offsets[f.name]) for f in self.schema.fields if not f.variable]
+
+    def encode(self, values: Mapping[str, Any]) -> bytes:
+        """One sample (field name -> array-like, bytes or str) as a checksummed record.
+
+        Raises:
+            ValueError: a field is missing or its value does not fit the schema.
+        """
+        body = bytearray(self.layout.fixed_bytes)
+        for f, off in self._fixed:
+            try:
+                arr = np.asarray(values[f.name], dtype=f.dtype)
+            except KeyError:
+                raise ValueError(f"sample has no field {f.name!r}") from None
+            if arr.shape != f.shape:
+                raise ValueError(f"field {f.name!r}: expected shape {f.shape}, got {arr.shape}")
+            body[off : off + f.nbytes] = arr.tobytes()
+        tail = []
+        for name in self.layout.variable:
+            v = values.get(name)
+            if isinstance(v, str):
+                v = v.encode()
+            if not isinstance(v, (bytes, bytearray, memoryview)):
+                raise ValueError(f"field {name!r}: expected bytes or str, got {type(v).__name__}")
+            body += _VARLEN.pack(len(v))
+            tail.append(bytes(v))
+        body += b"".join(tail)
+        return seal(body)
+
+    def decode(self, record: bytes | memoryview, sample_id: int, where: str) -> dict[str, Any]:
+        """Verify a record and return its fields (numpy arrays, bytes or str), copying nothing.
+
+        Raises:
+            CorruptRecordError: the checksum or the layout does not match.
+        """
+        body = verify(record, sample_id, where)
+        out: dict[str, Any] = {}
+        for f, off in self._fixed:
+            out[f.name] = np.frombuffer(body, f.dtype, int(np.prod(f.shape)), off).reshape(f.shape)
+        for name, value in zip(self.layout.variable, self.variable_parts(body), strict=True):
+            is_str = self.schema.fields[self._index[name]].dtype == "string"
+            out[name] = bytes(value).decode() if is_str else bytes(value)
+        return out
+
+    @cached_property
+    def _index(self) -> dict[str, int]:
+        return {f.name: i for i, f in enumerate(self.schema.fields)}
+
+    def variable_parts(self, body: memoryview) -> list[memoryview]:
+        """The variable-length fields of a verified body, as views."""
+        pos = self.layout.fixed_bytes
+        lengths = []
+        for _ in self.layout.variable:
+            (n,) = _VARLEN.unpack_from(body, pos)
+            lengths.append(n)
+            pos += _VARLEN.size
+        parts = []
+        for n in lengths:
+            parts.append(body[pos : pos + n])
+            pos += n
+        return parts
+
+
+def seal(body: bytes | bytearray) -> bytes:
+    """Prefix a body with its checksum header."""
+    return RECORD_HEADER.pack(xxhash.xxh3_64_intdigest(body), len(body), RECORD_VERSION) + body
+
+
+def verify(record: bytes | memoryview, sample_id: int, where: str) -> memoryview:
+    """Check a record's header and checksum and return a view of its body.
+
+    Raises:
+        CorruptRecordError: naming the sample id and where the record came from.
+    """
+    view = memoryview(record)
+    if view.nbytes < RECORD_HEADER.size:
+        raise CorruptRecordError(sample_id, where, f"record of {view.nbytes} bytes is truncated")
+    digest, length, version = RECORD_HEADER.unpack_from(view)
+    body = view[RECORD_HEADER.size :]
+    if version != RECORD_VERSION or length != body.nbytes:
+        raise CorruptRecordError(sample_id, where, "record header is damaged")
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        raise CorruptRecordError(sample_id, where)
+    return body
