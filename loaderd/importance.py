@@ -257,7 +257,7 @@ class ImportanceEngine:
         if not finite.all():
             i = int(np.argmin(finite))
             raise ValueError(
-                f"`losses[{i}]` = {losses_in[i]!r} (id {ids_in[i]}) is not finite in float32"
+                f"`losses[{i}]` = {float(losses_in[i])} (id {ids_in[i]}) is not finite in float32"
             )
         idx = ids_in.astype(np.intp, copy=False)
 

@@ -1,0 +1,433 @@
+"""The importance engine (seed 002) and its selection kernels."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaderd.importance import ImportanceConfig, ImportanceEngine
+from loaderd.samplers import (
+    draw_unbiased,
+    loss_variance,
+    select_infobatch,
+    select_top,
+    split_two_clusters,
+)
+
+# ---------------------------------------------------------------- helpers
+
+
+def brute_force_cost(values: np.ndarray) -> float:
+    """Least within-cluster SSE over every assignment of values to two non-empty clusters."""
+    n = values.size
+    best = float(((values - values.mean()) ** 2).sum())  # one cluster: the no-split answer
+    for bits in itertools.product((False, True), repeat=n - 1):
+        high = np.array((False, *bits))  # value 0 stays low: halves the symmetric search
+        if not high.any():
+            continue
+        a, b = values[~high], values[high]
+        best = min(best, float(((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum()))
+    return best
+
+
+def feed_classification(engine: ImportanceEngine, noisy: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Train through the K warm-up epochs: the `noisy` samples' losses swing, the others not."""
+    rng = np.random.default_rng(seed)
+    n = engine.num_samples
+    base = rng.uniform(0.5, 1.0, n).astype(np.float32)
+    for epoch in range(engine.config.warmup_epochs):
+        ids, _ = engine.select(epoch, seed)
+        swing = np.where(noisy, (-1.0) ** epoch * 0.4, 0.0).astype(np.float32)
+        engine.record(ids, (base + swing)[ids], epoch)
+    return base
+
+
+def engine_with_history(
+    sampler: str = "importance", n: int = 1000, **kw: object
+) -> ImportanceEngine:
+    engine = ImportanceEngine(n, ImportanceConfig(sampler=sampler, **kw))  # type: ignore[arg-type]
+    feed_classification(engine, np.arange(n) % 5 == 0)
+    return engine
+
+
+# ---------------------------------------------------------------- exact two-cluster split
+
+
+def test_split_known_inputs() -> None:
+    s = split_two_clusters(np.array([0.1, 0.2, 0.15, 5.0, 5.2, 0.12]))
+    assert s.threshold == 5.0
+    assert (s.low_size, s.high_size) == (4, 2)
+    assert s.low_mean == pytest.approx(0.1425)
+    assert s.high_mean == pytest.approx(5.1)
+
+    # 0 and 1 against 10: the boundary goes where the between-cluster term is largest.
+    s = split_two_clusters(np.array([10.0, 0.0, 1.0]))
+    assert (s.threshold, s.low_size, s.high_size) == (10.0, 2, 1)
+    assert s.cost == pytest.approx(0.5)
+
+
+def test_split_degenerate_inputs() -> None:
+    assert split_two_clusters(np.array([])).threshold == np.inf
+    one = split_two_clusters(np.array([3.0]))
+    assert (one.threshold, one.low_size, one.high_size) == (np.inf, 1, 0)
+    same = split_two_clusters(np.full(5, 2.0))
+    assert (same.threshold, same.low_size, same.high_size, same.cost) == (np.inf, 5, 0, 0.0)
+    # Ties never straddle the boundary.
+    tied = split_two_clusters(np.array([1.0, 1.0, 1.0, 2.0, 2.0, 9.0]))
+    values = np.array([1.0, 1.0, 1.0, 2.0, 2.0, 9.0])
+    assert tied.high_size == int((values >= tied.threshold).sum())
+    with pytest.raises(ValueError, match="values"):
+        split_two_clusters(np.array([1.0, np.nan]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(0, 4).map(float), st.floats(0, 100, allow_nan=False)),
+        min_size=1,
+        max_size=9,
+    )
+)
+def test_split_matches_brute_force(raw: list[float]) -> None:
+    values = np.array(raw)
+    s = split_two_clusters(values)
+    assert s.cost == pytest.approx(brute_force_cost(values), rel=1e-9, abs=1e-9)
+    high = values >= s.threshold
+    assert (int((~high).sum()), int(high.sum())) == (s.low_size, s.high_size)
+    if s.high_size:
+        assert values[high].mean() == pytest.approx(s.high_mean)
+        assert s.high_mean > s.low_mean
+
+
+def test_split_is_exact_on_large_tight_values() -> None:
+    # Prefix sums of uncentred squares would cancel here; centring keeps the answer exact.
+    values = 1e6 + np.array([0.0, 0.001, 0.002, 1.0, 1.001])
+    s = split_two_clusters(values)
+    assert (s.low_size, s.high_size) == (3, 2)
+
+
+def test_loss_variance_ignores_missing_epochs() -> None:
+    nan = np.nan
+    history = np.array(
+        [[1.0, 2.0, nan, nan], [3.0, 2.0, 5.0, nan], [nan, 2.0, nan, nan]], np.float32
+    )
+    var, seen = loss_variance(history)
+    assert seen.tolist() == [2, 3, 1, 0]
+    assert var[0] == pytest.approx(1.0)
+    assert var[1] == 0.0
+    assert np.isnan(var[2:]).all()
+
+
+# ---------------------------------------------------------------- phases and grouping
+
+
+def test_classify_then_select_at_epoch_k() -> None:
+    n, k = 500, 3
+    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance", warmup_epochs=k))
+    for epoch in range(k):
+        assert engine.phase(epoch) == "classify"
+        assert engine.rescore_ids(epoch).size == 0
+        ids, weights = engine.select(epoch, seed=1)
+        assert ids.tolist() == list(range(n))
+        assert (weights == 1).all()
+        engine.record(ids, np.random.default_rng(epoch).random(n), epoch)
+    assert engine.phase(k) == "select"
+    ids, weights = engine.select(k, seed=1)
+    assert ids.size == round(0.7 * n)
+    stats = engine.stats()
+    assert stats["phase"] == "select" and stats["epoch"] == k
+    assert json.loads(json.dumps(stats, allow_nan=False)) == stats  # plain JSON for `loaderd stats`
+
+
+def test_rescore_ids_are_exactly_the_high_group() -> None:
+    n = 1000
+    noisy = np.arange(n) % 5 == 0
+    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance"))
+    feed_classification(engine, noisy)
+    high = engine.rescore_ids(3)
+    assert high.dtype == np.int64
+    assert high.tolist() == np.flatnonzero(noisy).tolist()  # sorted, and only the swinging ones
+    var = engine.variances()
+    stats = engine.stats()
+    assert stats["high_group"] == noisy.sum() and stats["low_group"] == n - noisy.sum()
+    assert var[noisy].min() > var[~noisy].max()
+    assert stats["high_mean_variance"] == pytest.approx(32 / 225, rel=1e-4)  # swings +-0.4
+
+
+def test_samples_without_history_go_to_the_high_group() -> None:
+    n = 100
+    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance"))
+    for epoch in range(3):
+        ids = np.arange(50)  # samples 50.. are never trained
+        engine.record(ids, np.full(50, 1.0 + epoch * (ids % 2)), epoch)
+    high = set(engine.rescore_ids(3).tolist())
+    assert set(range(50, 100)) <= high
+    assert set(range(1, 50, 2)) <= high  # the swinging half of the known ones
+    assert not high & set(range(0, 50, 2))
+
+
+def test_rescore_replaces_importance_and_drives_selection() -> None:
+    n = 1000
+    engine = engine_with_history(n=n)
+    high = engine.rescore_ids(3)
+    engine.record(high, np.full(high.size, 10.0, np.float32), 3, kind="rescore")
+    ids, _ = engine.select(3, seed=0)
+    assert np.isin(high, ids).all()  # re-scored as most important, so all kept
+    assert engine.stats()["rescored"] == high.size
+    assert engine.importance()[high].tolist() == [10.0] * high.size
+
+
+def test_reclassify_every_k_epochs() -> None:
+    n = 400
+    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance", warmup_epochs=2))
+    first = np.arange(n) < 100
+    second = np.arange(n) >= 300
+    for epoch in range(6):
+        swing = first if epoch < 2 else second
+        loss = np.where(swing, 1.0 + (epoch % 2), 1.0)
+        engine.record(np.arange(n), loss, epoch)
+        if epoch >= 2:  # feedback of a re-classification epoch regroups first
+            assert engine.stats()["groups_epoch"] == epoch - epoch % 2
+        if epoch == 2:
+            assert engine.rescore_ids(2).tolist() == np.flatnonzero(first).tolist()
+    assert engine.rescore_ids(4).tolist() == np.flatnonzero(second).tolist()
+    assert engine.stats()["groups_epoch"] == 4
+
+
+def test_rescore_empty_when_not_needed() -> None:
+    assert engine_with_history("uniform").rescore_ids(3).size == 0
+    assert engine_with_history(rescore=False).rescore_ids(3).size == 0
+    assert engine_with_history(anneal_epochs=2, epochs=10).rescore_ids(8).size == 0
+    assert engine_with_history(anneal_epochs=2, epochs=10).rescore_ids(7).size > 0
+
+
+def test_warmup_zero_and_one_put_everyone_in_the_high_group() -> None:
+    for k in (0, 1):
+        engine = ImportanceEngine(50, ImportanceConfig(sampler="importance", warmup_epochs=k))
+        assert engine.phase(k) == "select"
+        engine.record(np.arange(50), np.arange(50, dtype=np.float32), k)
+        assert engine.rescore_ids(k + 1).size == 50
+        ids, _ = engine.select(k + 1, seed=0)
+        assert ids.tolist() == list(range(15, 50))  # the 35 largest losses
+
+
+# ---------------------------------------------------------------- selection
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 0.7, 1.0])
+def test_kept_fraction(fraction: float) -> None:
+    engine = engine_with_history(keep_fraction=fraction)
+    ids, weights = engine.select(3, seed=2)
+    assert ids.size == round(fraction * 1000)
+    assert np.unique(ids).size == ids.size and (np.diff(ids) > 0).all()
+    assert weights.dtype == np.float32 and (weights == 1).all()
+    assert engine.stats()["kept_fraction"] == pytest.approx(ids.size / 1000)
+    if fraction < 1:  # the kept ones are the most important
+        imp = engine.importance()
+        dropped = np.setdiff1d(np.arange(1000), ids)
+        assert imp[ids].min() >= imp[dropped].max()
+
+
+def test_top_k_breaks_ties_at_random_and_ranks_unknown_first() -> None:
+    imp = np.array([np.nan, 1.0, 1.0, 1.0, 1.0, 0.5], np.float32)
+    picks = set()
+    for s in range(20):
+        mask, cut = select_top(imp, 3, np.random.default_rng(s))
+        assert mask.sum() == 3 and mask[0] and not mask[5] and cut == 1.0
+        picks.add(tuple(np.flatnonzero(mask)))
+    assert len(picks) > 1
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "importance", "unbiased", "infobatch"])
+def test_selection_is_deterministic_in_seed_epoch_and_state(sampler: str) -> None:
+    a, b = engine_with_history(sampler), engine_with_history(sampler)
+    ids_a, w_a = a.select(4, seed=9)
+    ids_b, w_b = b.select(4, seed=9)
+    assert np.array_equal(ids_a, ids_b) and np.array_equal(w_a, w_b)
+    again = a.select(4, seed=9)
+    assert np.array_equal(ids_a, again[0]) and np.array_equal(w_a, again[1])
+    if sampler in ("unbiased", "infobatch"):  # the draw depends on both seed and epoch
+        assert not np.array_equal(ids_a, a.select(4, seed=10)[0])
+        assert not np.array_equal(ids_a, a.select(5, seed=9)[0])
+
+
+def test_uniform_trains_everything_and_tracks_stats() -> None:
+    engine = engine_with_history("uniform")
+    ids, weights = engine.select(5, seed=0)
+    assert ids.size == 1000 and (weights == 1).all()
+    stats = engine.stats()
+    assert stats["high_group"] == 200 and stats["feedback_samples"] == 3000
+
+
+def test_unbiased_weights_average_to_one_and_preserve_the_mean_loss() -> None:
+    n = 2000
+    rng = np.random.default_rng(0)
+    loss = rng.exponential(1.0, n).astype(np.float32)
+    imp = loss.copy()
+    imp[:10] = np.nan  # never scored
+    mean_w, estimates = [], []
+    for s in range(300):
+        ids, w = draw_unbiased(imp, 600, 0.3, np.random.default_rng(s))
+        assert ids.size == 600 and (np.diff(ids) >= 0).all() and w.max() <= 1 / 0.3 + 1e-4
+        mean_w.append(w.mean())
+        estimates.append(float((w * loss[ids]).mean()))
+    assert np.mean(mean_w) == pytest.approx(1.0, abs=0.01)
+    assert np.mean(estimates) == pytest.approx(float(loss.mean()), rel=0.01)
+
+
+def test_unbiased_draw_prefers_important_samples_with_replacement() -> None:
+    imp = np.array([100.0] + [1.0] * 99, np.float32)
+    ids, w = draw_unbiased(imp, 50, 0.0, np.random.default_rng(0))
+    assert (ids == 0).sum() >= 25  # p_0 ≈ 0.5: drawn about 25 times, up to rounding
+    assert w[ids == 0][0] == pytest.approx(1 / (100 * 100 / 199), rel=1e-5)
+    flat, _ = draw_unbiased(np.zeros(10, np.float32), 10, 0.0, np.random.default_rng(0))
+    assert flat.tolist() == list(range(10))  # nothing to prefer: uniform
+
+
+def test_engine_unbiased_sampler() -> None:
+    engine = engine_with_history("unbiased", mix=0.5)
+    ids, w = engine.select(3, seed=0)
+    assert ids.size == 700 and w.max() <= 2.0 + 1e-5
+    assert w.mean() == pytest.approx(1.0, abs=0.1)
+
+
+def test_infobatch_keeps_an_upweighted_share_of_the_pruned() -> None:
+    imp = np.arange(1000, dtype=np.float32)
+    ids, w, cut = select_infobatch(imp, 700, 0.5, np.random.default_rng(0))
+    top = ids >= 300
+    assert top.sum() == 700 and (w[top] == 1).all() and cut == 300.0
+    assert (~top).sum() == 150 and (w[~top] == 2.0).all()
+    assert float(w.sum()) == pytest.approx(1000.0)  # weights restore the full count
+    assert (np.diff(ids) > 0).all()
+
+
+def test_annealing_trains_on_everything_in_the_last_epochs() -> None:
+    engine = engine_with_history("infobatch", anneal_epochs=2, epochs=10)
+    assert engine.select(7, seed=0)[0].size == 850
+    for epoch in (8, 9):
+        ids, w = engine.select(epoch, seed=0)
+        assert ids.size == 1000 and (w == 1).all()
+
+
+# ---------------------------------------------------------------- record() validation
+
+
+def test_record_refuses_bad_ids_and_losses() -> None:
+    engine = ImportanceEngine(10, ImportanceConfig())
+    with pytest.raises(ValueError, match=r"`ids\[2\]` = 10 is outside \[0, 10\)"):
+        engine.record(np.array([0, 1, 10, -1]), np.ones(4), 0)
+    with pytest.raises(ValueError, match=r"`ids\[1\]` = -1"):
+        engine.record(np.array([0, -1]), np.ones(2), 0)
+    with pytest.raises(ValueError, match=r"`losses\[1\]` = nan \(id 4\)"):
+        engine.record(np.array([3, 4, 5]), np.array([1.0, np.nan, np.inf]), 0)
+    with pytest.raises(ValueError, match=r"`losses\[0\]` = 1e\+39"):
+        engine.record(np.array([3]), np.array([1e39]), 0)  # finite, but not in float32
+    with pytest.raises(ValueError, match="`ids` must be integers"):
+        engine.record(np.array([1.0]), np.ones(1), 0)
+    with pytest.raises(ValueError, match="aligned"):
+        engine.record(np.array([1, 2]), np.ones(3), 0)
+    with pytest.raises(ValueError, match="`kind`"):
+        engine.record(np.array([1]), np.ones(1), 0, kind="eval")
+    with pytest.raises(ValueError, match="`epoch`"):
+        engine.record(np.array([1]), np.ones(1), -1)
+    with pytest.raises(ValueError, match="`seed`"):
+        engine.select(0, seed=-3)
+    assert engine.stats()["feedback_samples"] == 0  # nothing half-recorded
+
+
+def test_record_counts_repeats_and_ignores_stale_epochs() -> None:
+    engine = ImportanceEngine(10, ImportanceConfig())
+    engine.record(np.array([1, 1, 2], np.uint32), np.array([1.0, 2.0, 3.0]), 1)
+    engine.record(np.array([2]), np.array([9.0]), 0)  # older than its epoch-1 loss
+    assert engine.importance()[[1, 2]].tolist() == [2.0, 3.0]
+    assert engine.state_dict()["count"][[1, 2]].tolist() == [2, 2]
+    assert engine.stats()["seen_samples"] == 2
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"keep_fraction": 0.0}, "keep_fraction"),
+        ({"keep_fraction": 1.5}, "keep_fraction"),
+        ({"keep_fraction": float("nan")}, "keep_fraction"),
+        ({"keep_fraction": "0.5"}, "keep_fraction"),
+        ({"sampler": "random"}, "sampler"),
+        ({"warmup_epochs": -1}, "warmup_epochs"),
+        ({"warmup_epochs": True}, "warmup_epochs"),
+        ({"warmup_epochs": 2.0}, "warmup_epochs"),
+        ({"rescore": 1}, "rescore"),
+        ({"mix": -0.1}, "mix"),
+        ({"prune_keep_prob": 0.0}, "prune_keep_prob"),
+        ({"anneal_epochs": 2}, "anneal_epochs"),
+        ({"anneal_epochs": 5, "epochs": 3}, "anneal_epochs"),
+        ({"epochs": 0}, "epochs"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        ImportanceConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        ImportanceConfig.from_options(kwargs, ImportanceConfig())
+
+
+def test_from_options_overrides_defaults_and_refuses_unknown_keys() -> None:
+    defaults = ImportanceConfig(sampler="importance", warmup_epochs=2)
+    cfg = ImportanceConfig.from_options(json.loads('{"keep_fraction": 1, "mix": 0}'), defaults)
+    assert cfg.sampler == "importance" and cfg.warmup_epochs == 2
+    assert cfg.keep_fraction == 1.0 and isinstance(cfg.keep_fraction, float)
+    assert ImportanceConfig.from_options({}, defaults) == defaults
+    with pytest.raises(ValueError, match="keepfraction, zzz"):
+        ImportanceConfig.from_options({"zzz": 1, "keepfraction": 0.5}, defaults)
+
+
+def test_engine_refuses_bad_size() -> None:
+    with pytest.raises(ValueError, match="`num_samples`"):
+        ImportanceEngine(0, ImportanceConfig())
+
+
+# ---------------------------------------------------------------- persistence
+
+
+@pytest.mark.parametrize("sampler", ["importance", "unbiased", "infobatch"])
+def test_state_dict_round_trip_through_npz(sampler: str) -> None:
+    engine = engine_with_history(sampler)
+    high = engine.rescore_ids(3)
+    engine.record(high, np.full(high.size, 3.0), 3, kind="rescore")
+    expected = engine.select(3, seed=5)
+    buf = io.BytesIO()
+    np.savez(buf, **engine.state_dict())
+    buf.seek(0)
+    restored = ImportanceEngine(1000, ImportanceConfig(sampler=sampler))
+    with np.load(buf) as z:
+        restored.load_state_dict({k: z[k] for k in z.files})
+    assert restored.stats() == engine.stats()
+    assert np.array_equal(restored.rescore_ids(3), high)
+    got = restored.select(3, seed=5)
+    assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    for name, value in engine.state_dict().items():
+        np.testing.assert_array_equal(restored.state_dict()[name], value, err_msg=name)
+
+
+def test_load_state_dict_refuses_other_sizes_and_bad_arrays() -> None:
+    state = engine_with_history().state_dict()
+    with pytest.raises(ValueError, match="1000 samples, this engine has 999"):
+        ImportanceEngine(999, ImportanceConfig()).load_state_dict(state)
+    with pytest.raises(ValueError, match="`ring`"):
+        ImportanceEngine(1000, ImportanceConfig(warmup_epochs=4)).load_state_dict(state)
+    target = ImportanceEngine(1000, ImportanceConfig())
+    with pytest.raises(ValueError, match="`last_loss`"):
+        target.load_state_dict({**state, "last_loss": np.zeros(5, np.float32)})
+    with pytest.raises(ValueError, match="missing"):
+        target.load_state_dict({k: v for k, v in state.items() if k != "high"})
+    with pytest.raises(ValueError, match="unknown"):
+        target.load_state_dict({**state, "extra": np.zeros(1)})
+    assert target.stats()["epoch"] == -1  # refused loads change nothing
