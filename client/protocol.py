@@ -33,7 +33,7 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<4sBBHQ")  # magic, version, msg_type, flags, request_id
 MAX_META_BYTES = 1 << 20  # a meta object larger than this is an attack or a bug
 MAX_FRAMES = 4096
-# ZMQ_MAXMSGSIZE for sockets: one frame may not exceed this (a batch of 256 × 1 MB fits).
+# ZMQ_MAXMSGSIZE for sockets: one frame may not exceed this (a batch of 256 x 1 MB fits).
 MAX_FRAME_BYTES = 1 << 30
 
 Buffer = bytes | bytearray | memoryview
@@ -203,7 +203,7 @@ def batch_frames(arrays: BatchArrays, schema: Sequence[FieldSpec]) -> list[Buffe
 
 def _raw(a: np.ndarray) -> memoryview:
     assert a.flags.c_contiguous, "payload arrays must be C-contiguous"
-    return memoryview(a).cast("B")
+    return a.data.cast("B")
 
 
 # --- decoding -------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""One DEALER socket per process to the daemon, with timeouts and a fresh socket after fork.
+
+Several requests may be in flight at once (prefetch credits, feedback); replies carry the
+request id, so ``wait`` returns the one asked for and keeps the others until they are wanted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from loaderd.client.errors import DaemonUnavailableError, ProtocolError, RemoteError
+from loaderd.client.protocol import (
+    MAX_FRAME_BYTES,
+    Buffer,
+    Message,
+    MsgType,
+    decode,
+    decode_error,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Connection:
+    """A request/reply channel to one daemon address. Not thread-safe; one per process.
+
+    Args:
+        address: the daemon's endpoint (``ipc://...`` or ``tcp://...``).
+        timeout_s: how long to wait for any reply before the daemon counts as gone.
+    """
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._pid = -1
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._ids = itertools.count(1)
+        self._stash: dict[int, Message] = {}
+        self._ignored: set[int] = set()
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._pid != os.getpid():
+            # After fork the parent's context belongs to the parent: never touch it here.
+            self._ctx, self._sock, self._pid = None, None, os.getpid()
+            self._stash.clear()
+            self._ignored.clear()
+        if self._sock is None:
+            self._ctx = zmq.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(self.address)
+            self._sock = sock
+        return self._sock
+
+    def send(self, type_: MsgType, meta: dict[str, Any], frames: Sequence[Buffer] = ()) -> int:
+        """Send a request without waiting; returns its request id."""
+        request_id = next(self._ids)
+        msg = Message(type_, request_id, meta, [memoryview(f) for f in frames])
+        self._socket().send_multipart(encode(msg), copy=False)
+        return request_id
+
+    def wait(self, request_id: int, timeout_s: float | None = None) -> Message:
+        """The reply to ``request_id``; other replies that arrive meanwhile are kept.
+
+        Raises:
+            RemoteError: the daemon answered with ERROR.
+            DaemonUnavailableError: no reply within the timeout.
+        """
+        reply = self._stash.pop(request_id, None)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        sock = self._socket()
+        while reply is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                self.reset()
+                raise DaemonUnavailableError(
+                    f"no reply from loaderd at {self.address} within {timeout:g} s "
+                    "(is `loaderd serve` running there?)"
+                )
+            msg = decode(sock.recv_multipart(copy=False))
+            if msg.request_id == request_id:
+                reply = msg
+            elif msg.request_id in self._ignored:
+                self._ignored.discard(msg.request_id)
+                self._log_if_error(msg)
+            else:
+                self._stash[msg.request_id] = msg
+        if reply.type == MsgType.ERROR:
+            raise RemoteError(*decode_error(reply))
+        return reply
+
+    def request(
+        self,
+        type_: MsgType,
+        meta: dict[str, Any],
+        frames: Sequence[Buffer] = (),
+        expect: MsgType | None = None,
+    ) -> Message:
+        """Send a request and wait for its reply (of type ``expect`` when given)."""
+        reply = self.wait(self.send(type_, meta, frames))
+        if expect is not None and reply.type != expect:
+            raise ProtocolError(
+                f"expected {expect.name} in reply to {type_.name}, got {reply.type.name}"
+            )
+        return reply
+
+    def ignore(self, request_id: int) -> None:
+        """Drop the reply to ``request_id`` when it arrives (logging it if it is an error)."""
+        msg = self._stash.pop(request_id, None)
+        if msg is not None:
+            self._log_if_error(msg)
+        else:
+            self._ignored.add(request_id)
+
+    def drain(self) -> None:
+        """Take every reply already waiting on the socket, without blocking."""
+        sock = self._socket()
+        while sock.poll(0):
+            msg = decode(sock.recv_multipart(copy=False))
+            if msg.request_id in self._ignored:
+                self._ignored.discard(msg.request_id)
+                self._log_if_error(msg)
+            else:
+                self._stash[msg.request_id] = msg
+
+    @staticmethod
+    def _log_if_error(msg: Message) -> None:
+        if msg.type == MsgType.ERROR:
+            code, text = decode_error(msg)
+            logger.warning("loaderd refused a request: %s: %s", code.name, text)
+
+    def reset(self) -> None:
+        """Drop the socket (replies in flight are lost); the next request opens a new one."""
+        if self._sock is not None and self._pid == os.getpid():
+            self._sock.close(linger=0)
+            assert self._ctx is not None
+            self._ctx.term()
+        self._sock = self._ctx = None
+        self._stash.clear()
+        self._ignored.clear()
+
+    close = reset
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into DataLoader workers: only the address travels, never a socket.
+        return {"address": self.address, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["address"], state["timeout_s"])  # type: ignore[misc]

@@ -1,0 +1,241 @@
+"""``LoaderdDataset``: the ``IterableDataset`` a trainer swaps in to read from a loaderd daemon.
+
+One full iteration is this rank's share of one epoch. Under ``DataLoader(num_workers=k)`` every
+worker opens its own socket and asks the daemon for the rank's next batch, so the k workers
+receive disjoint batches that together cover the rank's epoch exactly once. Batches arrive
+ready-made (``batch_size`` of the DataLoader must be None).
+
+Each worker keeps ``prefetch`` requests in flight (its credit window: the daemon sends no more
+than that) and acknowledges each batch once the trainer has taken it, which is what lets an
+interrupted epoch resume where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from loaderd.client.connection import Connection
+from loaderd.client.protocol import (
+    PROTOCOL_VERSION,
+    BatchArrays,
+    FieldSpec,
+    MsgType,
+    VarColumn,
+    decode_batch,
+    feedback_frames,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAX_FEEDBACK_IN_FLIGHT = 64
+
+
+def default_rank_world() -> tuple[int, int]:
+    """(rank, world_size) from torch.distributed when initialised, else RANK / WORLD_SIZE."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class LoaderdDataset(IterableDataset[dict[str, Any]]):
+    """Batches of a loaderd job, streamed from the daemon at ``address``.
+
+    Args:
+        address: the daemon's endpoint, e.g. ``ipc:///run/loaderd/loaderd.sock``.
+        job: the job name; every rank and worker of one training run uses the same one.
+        batch_size: samples per batch (batches are assembled by the daemon).
+        rank: this trainer's rank; default from torch.distributed, RANK, else 0.
+        world_size: the number of ranks; default from torch.distributed, WORLD_SIZE, else 1.
+        seed: the job's seed; each epoch's plan is a function of (seed, epoch, importance).
+        sampler: ``uniform``, ``importance``, ``unbiased`` or ``infobatch``; None takes the
+            daemon's default.
+        prefetch: requests kept in flight per worker (the credit window).
+        timeout_s: how long to wait for the daemon before raising DaemonUnavailableError.
+        **options: further importance options (``warmup_epochs``, ``keep_fraction``, ...).
+
+    Each batch is a dict: ``id`` (int64 [B]), ``weight`` (float32 [B]), and one entry per
+    stored field: a tensor ``[B, *shape]`` for fixed-shape fields, a list of ``bytes`` / ``str``
+    for variable-length ones. Tensors view the received message's memory and are read-only in
+    spirit: clone one before writing to it in place.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        job: str,
+        batch_size: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int = 0,
+        sampler: str | None = None,
+        prefetch: int = 4,
+        timeout_s: float = 30.0,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        default_rank, default_world = default_rank_world()
+        self.address = address
+        self.job = job
+        self.batch_size = batch_size
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_world if world_size is None else world_size
+        self.seed = seed
+        if sampler is not None:
+            options["sampler"] = sampler
+        self.options = options
+        if prefetch < 1:
+            raise ValueError(f"`prefetch` must be >= 1, got {prefetch}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"`rank` {self.rank} is outside [0, world_size={self.world_size})")
+        self.prefetch = prefetch
+        self._conn = Connection(address, timeout_s)
+        self._hello_pid = -1
+        self._schema: list[FieldSpec] = []
+        self._feedback: deque[int] = deque()
+        self._phase = "train"
+        self.epoch: int | None = None  # the epoch of the last pass this process iterated
+
+    # --- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This rank's share of the next epoch (or the rest of an interrupted one)."""
+        return self._pass("train")
+
+    def rescore(self) -> Iterator[dict[str, Any]]:
+        """The samples to re-score before the next epoch (seed 002), for a forward-only pass.
+
+        Send their losses with ``feedback`` as usual. Empty while the importance engine is
+        still classifying samples, or when the job's sampler does not re-score.
+        """
+        return self._pass("rescore")
+
+    def _pass(self, phase: str) -> Iterator[dict[str, Any]]:
+        self._hello()
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        base = {"job": self.job, "rank": self.rank, "worker": worker, "phase": phase}
+        reply = self._conn.request(MsgType.OPEN_PASS, base, expect=MsgType.PASS)
+        epoch = int(reply.meta["epoch"])
+        self.epoch = epoch
+        request = {**base, "epoch": epoch}
+        self._phase = phase
+        seen: set[int] = set()
+        acks: list[int] = []
+        in_flight: deque[int] = deque()
+        ended = False
+        try:
+            while True:
+                while not ended and len(in_flight) < self.prefetch:
+                    in_flight.append(self._conn.send(MsgType.GET_BATCH, {**request, "acks": acks}))
+                    acks = []
+                if not in_flight:
+                    break
+                msg = self._conn.wait(in_flight.popleft())
+                if msg.type == MsgType.END:
+                    ended = True
+                    continue
+                index = int(msg.meta["index"])
+                if index in seen:  # delivery is at-least-once on the wire; drop duplicates
+                    continue
+                seen.add(index)
+                batch = self._to_torch(decode_batch(msg, self._schema))
+                yield batch
+                acks.append(index)
+            self._conn.request(MsgType.ACK, {**request, "acks": acks}, expect=MsgType.OK)
+            self.flush()
+        finally:
+            self._phase = "train"
+            for rid in in_flight:  # left early: what is still coming is not ours to use
+                self._conn.ignore(rid)
+
+    def _to_torch(self, arrays: BatchArrays) -> dict[str, Any]:
+        with warnings.catch_warnings():
+            # The arrays view the received frames, which numpy marks read-only.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            batch: dict[str, Any] = {
+                "id": torch.from_numpy(arrays.ids),
+                "weight": torch.from_numpy(arrays.weights),
+            }
+            for spec in self._schema:
+                col = arrays.columns[spec.name]
+                if isinstance(col, VarColumn):
+                    items = [bytes(col.item(i)) for i in range(len(col))]
+                    batch[spec.name] = (
+                        [b.decode() for b in items] if spec.dtype == "string" else items
+                    )
+                else:
+                    batch[spec.name] = torch.from_numpy(col)
+        return batch
+
+    # --- feedback -----------------------------------------------------------------------------
+
+    def feedback(self, ids: Any, losses: Any, kind: str | None = None) -> None:
+        """Send per-sample losses to the daemon without waiting for it.
+
+        Args:
+            ids: the batch's ``id`` tensor (or any int sequence).
+            losses: one loss per id (a tensor is detached and moved to the CPU).
+            kind: ``train`` or ``rescore``; by default ``rescore`` inside ``rescore()``.
+        """
+        self._hello()
+        frames = feedback_frames(_as_numpy(ids, np.int64), _as_numpy(losses, np.float32))
+        meta = {"job": self.job, "kind": kind or self._phase}
+        self._feedback.append(self._conn.send(MsgType.FEEDBACK, meta, frames))
+        while len(self._feedback) > _MAX_FEEDBACK_IN_FLIGHT:
+            self._conn.wait(self._feedback.popleft())  # bounded memory, and errors surface
+
+    def flush(self) -> None:
+        """Wait until the daemon has recorded every feedback sent so far.
+
+        Raises:
+            RemoteError: the daemon refused some feedback (e.g. an id out of range).
+        """
+        while self._feedback:
+            self._conn.wait(self._feedback.popleft())
+
+    # --- the rest -----------------------------------------------------------------------------
+
+    def _hello(self) -> None:
+        if self._hello_pid == os.getpid():
+            return
+        self._feedback.clear()  # requests of the parent process are not ours to wait for
+        meta = {
+            "job": self.job,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "options": self.options,
+            "version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+        }
+        reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
+        self._schema = [FieldSpec.from_json(f) for f in reply.meta["schema"]]
+        self.num_samples = int(reply.meta["num_samples"])
+        self._hello_pid = os.getpid()
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's statistics (the same object as ``loaderd stats --json``)."""
+        return dict(self._conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)
+
+    def close(self) -> None:
+        """Flush feedback and close this process's socket (safe to call twice)."""
+        if self._hello_pid == os.getpid():
+            self.flush()
+        self._conn.close()
+
+
+def _as_numpy(x: Any, dtype: type[np.generic]) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", torch.float32 if dtype is np.float32 else torch.int64).numpy()
+    return np.ascontiguousarray(np.asarray(x).reshape(-1), dtype)

@@ -1,0 +1,77 @@
+"""The daemon's configuration: frozen, keyword-only, validated where it is built."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loaderd.importance import ImportanceConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``2GiB``, ``512MB``, ``64k`` or ``1048576``.
+
+    ``KiB/MiB/GiB`` are powers of 1024; ``KB/MB/GB`` and bare ``K/M/G`` are too, because a
+    cache is sized against memory, which is counted in powers of two.
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 512MiB, 2GiB, 1048576)")
+    number, unit, _ = m.groups()
+    return int(float(number) * (1024 ** _UNITS[unit.upper()]))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheConfig:
+    """The cache tiers in front of the store."""
+
+    dram_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes < 0:
+            raise ValueError(f"`dram_bytes` must be >= 0, got {self.dram_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefetchConfig:
+    """How far ahead of demand batches are assembled, and by how many threads."""
+
+    depth: int = 8  # batches assembled ahead of the first unassigned one, per rank and pass
+    workers: int = 2  # assembly threads (LMDB reads and copies release the GIL)
+
+    def __post_init__(self) -> None:
+        if self.depth < 0:
+            raise ValueError(f"`depth` must be >= 0, got {self.depth}")
+        if self.workers < 1:
+            raise ValueError(f"`workers` must be >= 1, got {self.workers}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DaemonConfig:
+    """Everything ``loaderd serve`` needs; each part goes to the object that uses it."""
+
+    db: Path
+    socket: str
+    state_dir: Path
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    importance: ImportanceConfig = field(default_factory=ImportanceConfig)  # jobs' defaults
+    max_batch_size: int = 65536
+
+    def __post_init__(self) -> None:
+        if not self.socket.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ValueError(
+                f"`socket` must be an ipc://, tcp:// or inproc:// address, got {self.socket!r}"
+            )
+        if self.socket.startswith("ipc://") and len(self.socket) - 6 > 100:
+            # sockaddr_un holds 107 bytes; longer ipc paths fail late and obscurely in libzmq.
+            raise ValueError(f"`socket` path is longer than 100 characters: {self.socket}")

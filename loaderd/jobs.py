@@ -1,0 +1,427 @@
+"""A job's ranks, their consumers, the pass cursors and acknowledgements, and its saved state.
+
+Each rank walks a sequence of passes: ``[rescore e] -> train e -> [rescore e+1] -> train e+1``.
+A pass is the deterministic plan of that (epoch, phase) for the rank plus the cursor through
+it: batches not yet handed out, batches in flight to a consumer (a DataLoader worker), and
+batches the consumer acknowledged. A pass is complete when every batch is acknowledged; only
+then does the rank's next pass begin, so a restarted consumer resumes the pass it left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaderd.client.errors import ErrorCode
+from loaderd.importance import ImportanceConfig, ImportanceEngine
+from loaderd.journal import FeedbackJournal, read_json, write_atomic, write_json_atomic
+from loaderd.planner import RankPlan, plan_pass
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("train", "rescore")
+
+
+class JobError(ValueError):
+    """A request that does not fit the job (bad rank, conflicting spec, wrong order)."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_ARGUMENT) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NotReady(Exception):  # a state, not a failure: the caller retries later
+    """The pass cannot start yet (other ranks are still re-scoring its epoch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What identifies a job; every client of the job must agree on it."""
+
+    name: str
+    world_size: int
+    seed: int
+    batch_size: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, max_batch_size: int) -> None:
+        """Validate the numbers (ValueError naming the field)."""
+        if not self.name or len(self.name) > 128 or "/" in self.name or self.name.startswith("."):
+            raise JobError(f"job name {self.name!r} must be 1-128 characters without '/'")
+        if self.world_size < 1:
+            raise JobError(f"`world_size` must be >= 1, got {self.world_size}")
+        if not 1 <= self.batch_size <= max_batch_size:
+            raise JobError(f"`batch_size` must be in [1, {max_batch_size}], got {self.batch_size}")
+
+
+@dataclass(slots=True)
+class PassState:
+    """One rank's cursor through one pass."""
+
+    epoch: int
+    phase: str
+    plan: RankPlan
+    queue: deque[int] = field(default_factory=deque)
+    inflight: dict[int, int] = field(default_factory=dict)  # batch index -> worker
+    acked: set[int] = field(default_factory=set)
+
+    @classmethod
+    def start(
+        cls, epoch: int, phase: str, plan: RankPlan, acked: set[int] | None = None
+    ) -> PassState:
+        """A pass with every batch not in ``acked`` waiting to be handed out."""
+        acked = acked or set()
+        queue = deque(i for i in range(plan.num_batches) if i not in acked)
+        return cls(epoch, phase, plan, queue, {}, set(acked))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every batch was acknowledged."""
+        return len(self.acked) == self.plan.num_batches
+
+    def assign(self, worker: int) -> int | None:
+        """Hand the next batch to ``worker``; None when nothing is left to hand out."""
+        if not self.queue:
+            return None
+        index = self.queue.popleft()
+        self.inflight[index] = worker
+        return index
+
+    def ack(self, indices: list[int]) -> int:
+        """Mark batches delivered; returns how many were new (duplicates are ignored)."""
+        new = 0
+        for i in indices:
+            if self.inflight.pop(i, None) is not None:
+                self.acked.add(i)
+                new += 1
+        return new
+
+    def requeue(self, worker: int) -> int:
+        """Put a worker's unacknowledged batches back at the front of the queue."""
+        lost = sorted(i for i, w in self.inflight.items() if w == worker)
+        for i in lost:
+            del self.inflight[i]
+        self.queue.extendleft(reversed(lost))
+        return len(lost)
+
+
+class Job:
+    """One training job: its spec, per-rank passes, importance engine and durable state.
+
+    Args:
+        spec: the job's identity.
+        num_samples: the store's sample count.
+        engine_defaults: the daemon-wide importance defaults, overridden by ``spec.options``.
+        state_dir: where the job's state lives (created); None keeps it in memory only.
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        num_samples: int,
+        engine_defaults: ImportanceConfig,
+        state_dir: Path | None,
+    ) -> None:
+        self.spec = spec
+        self.num_samples = num_samples
+        try:
+            config = ImportanceConfig.from_options(spec.options, engine_defaults)
+        except ValueError as e:
+            raise JobError(f"job {spec.name!r}: {e}") from e
+        self.engine = ImportanceEngine(num_samples, config)
+        self.passes: list[PassState | None] = [None] * spec.world_size
+        self.served_epoch = np.full(num_samples, -1, np.int32)
+        self.batches_served = 0
+        self.samples_served = 0
+        self.feedback_samples = 0
+        self.duplicate_acks = 0
+        self._plans: dict[tuple[int, str], list[RankPlan]] = {}
+        self._selections: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.dir = state_dir
+        self.journal: FeedbackJournal | None = None
+        self._dirty = False
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._load()
+            self.journal = FeedbackJournal(state_dir / "feedback.log")
+
+    # --- passes -------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The newest epoch any rank has reached."""
+        return max((p.epoch for p in self.passes if p is not None), default=0)
+
+    def check_rank(self, rank: int) -> None:
+        """Refuse a rank outside [0, world_size)."""
+        if not 0 <= rank < self.spec.world_size:
+            raise JobError(
+                f"rank {rank} out of range for job {self.spec.name!r} "
+                f"(world_size {self.spec.world_size})",
+                ErrorCode.BAD_RANK,
+            )
+
+    def open_pass(self, rank: int, worker: int, phase: str) -> PassState:
+        """Start or resume the rank's pass of ``phase``; the worker's lost batches go back.
+
+        Raises:
+            JobError: the phase cannot follow the rank's current pass.
+            NotReady: the epoch's training plan waits for other ranks' re-scoring.
+        """
+        self.check_rank(rank)
+        if phase not in PHASES:
+            raise JobError(f"unknown phase {phase!r}, expected one of {PHASES}")
+        cur = self.passes[rank]
+        epoch = self._next_epoch(cur, phase)
+        if cur is not None and (cur.epoch, cur.phase) == (epoch, phase):
+            cur.requeue(worker)  # this worker starts over: what it held and never acked is lost
+            return cur
+        if phase == "train":
+            self._check_rescored(epoch)
+        plan = self._plan(epoch, phase)[rank]
+        state = PassState.start(epoch, phase, plan)
+        self.passes[rank] = state
+        self._dirty = True
+        logger.info(
+            "job %s rank %d: %s pass of epoch %d (%d batches)",
+            self.spec.name,
+            rank,
+            phase,
+            epoch,
+            plan.num_batches,
+        )
+        return state
+
+    @staticmethod
+    def _next_epoch(cur: PassState | None, phase: str) -> int:
+        if cur is None:
+            return 0
+        if cur.phase == "rescore":
+            return cur.epoch  # train after re-scoring the same epoch, or resume the re-score
+        if phase == "train":
+            return cur.epoch + 1 if cur.complete else cur.epoch
+        if not cur.complete:
+            raise JobError(f"epoch {cur.epoch} is not finished: cannot re-score the next one yet")
+        return cur.epoch + 1
+
+    def _check_rescored(self, epoch: int) -> None:
+        """Plan a selecting epoch only after every rank that re-scores it has finished."""
+        if epoch in self._selections or not len(self.engine.rescore_ids(epoch)):
+            return
+        rescoring = [
+            p for p in self.passes if p is not None and (p.epoch, p.phase) == (epoch, "rescore")
+        ]
+        if any(not p.complete for p in rescoring):
+            raise NotReady(f"epoch {epoch} waits for {len(rescoring)} ranks to finish re-scoring")
+
+    def get_pass(self, rank: int, epoch: int, phase: str) -> PassState | None:
+        """The rank's current pass if it is (epoch, phase); None for a stale request."""
+        self.check_rank(rank)
+        cur = self.passes[rank]
+        if cur is None or (cur.epoch, cur.phase) != (epoch, phase):
+            return None
+        return cur
+
+    def assign(
+        self, rank: int, state: PassState, worker: int
+    ) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """Hand the next batch of a pass to a worker: (index, ids, weights), or None."""
+        index = state.assign(worker)
+        if index is None:
+            return None
+        ids, weights = state.plan.batch(index)
+        self.served_epoch[ids] = state.epoch
+        self.batches_served += 1
+        self.samples_served += len(ids)
+        return index, ids, weights
+
+    def ack(self, state: PassState, indices: list[int]) -> None:
+        """Record acknowledgements; duplicates are counted, not applied twice."""
+        new = state.ack(indices)
+        self.duplicate_acks += len(indices) - new
+        if new:
+            self._dirty = True
+
+    def _plan(self, epoch: int, phase: str) -> list[RankPlan]:
+        key = (epoch, phase)
+        plans = self._plans.get(key)
+        if plans is None:
+            if phase == "train":
+                ids, weights = self._selection(epoch)
+            else:
+                ids = self.engine.rescore_ids(epoch).astype(np.int64)
+                weights = np.ones(len(ids), np.float32)
+            plans = plan_pass(
+                ids,
+                weights,
+                seed=self.spec.seed,
+                epoch=epoch,
+                phase=phase,
+                world_size=self.spec.world_size,
+                batch_size=self.spec.batch_size,
+            )
+            self._plans = {k: v for k, v in self._plans.items() if k[0] >= epoch - 1}
+            self._plans[key] = plans
+        return plans
+
+    def _selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's selected samples: computed once, then persisted, so all ranks agree."""
+        sel = self._selections.get(epoch)
+        if sel is None:
+            path = self.dir / f"selection-{epoch}.npz" if self.dir else None
+            if path is not None and path.exists():
+                with np.load(path) as z:
+                    sel = (z["ids"], z["weights"])
+            else:
+                sel = self.engine.select(epoch, self.spec.seed)
+                if path is not None:
+                    self._save_arrays(path, {"ids": sel[0], "weights": sel[1]})
+                    self.save_engine()
+                    for old in self.dir.glob("selection-*.npz"):  # type: ignore[union-attr]
+                        if int(old.stem.split("-")[1]) < epoch - 1:
+                            old.unlink()
+            self._selections = {e: s for e, s in self._selections.items() if e >= epoch - 1}
+            self._selections[epoch] = sel
+        return sel
+
+    # --- feedback -----------------------------------------------------------------------------
+
+    def record_feedback(self, ids: np.ndarray, losses: np.ndarray, kind: str) -> None:
+        """Record per-sample losses under the epoch in which each sample was last served.
+
+        Raises:
+            JobError: an id is outside the dataset or a loss is not finite.
+        """
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
+            bad = int(ids[(ids < 0) | (ids >= self.num_samples)][0])
+            raise JobError(f"feedback for sample {bad}, but the dataset has {self.num_samples}")
+        if not np.all(np.isfinite(losses)):
+            bad = int(ids[~np.isfinite(losses)][0])
+            raise JobError(f"feedback for sample {bad} has a non-finite loss")
+        epochs = self.served_epoch[ids]
+        epochs = np.where(epochs < 0, self.epoch, epochs)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            sel_ids, sel_losses = (ids, losses) if mask.all() else (ids[mask], losses[mask])
+            self.engine.record(sel_ids, sel_losses, int(e), kind)
+            if self.journal is not None:
+                self.journal.append(int(e), kind, sel_ids, sel_losses)
+        self.feedback_samples += len(ids)
+
+    # --- state --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The job's counters and its importance engine's view."""
+        return {
+            "epoch": self.epoch,
+            "world_size": self.spec.world_size,
+            "batch_size": self.spec.batch_size,
+            "seed": self.spec.seed,
+            "batches_served": self.batches_served,
+            "samples_served": self.samples_served,
+            "feedback_samples": self.feedback_samples,
+            "duplicate_acks": self.duplicate_acks,
+            "ranks": [
+                None
+                if p is None
+                else {
+                    "epoch": p.epoch,
+                    "phase": p.phase,
+                    "batches": p.plan.num_batches,
+                    "acked": len(p.acked),
+                    "inflight": len(p.inflight),
+                }
+                for p in self.passes
+            ],
+            "importance": self.engine.stats(),
+        }
+
+    def save(self, force: bool = False) -> None:
+        """Persist the spec, counters and every rank's cursor (atomically), and sync feedback."""
+        if self.dir is None:
+            return
+        if self.journal is not None:
+            self.journal.sync()
+        if not (self._dirty or force):
+            return
+        write_json_atomic(
+            self.dir / "job.json",
+            {
+                "spec": asdict(self.spec),
+                "counters": {
+                    "batches_served": self.batches_served,
+                    "samples_served": self.samples_served,
+                    "feedback_samples": self.feedback_samples,
+                },
+                "ranks": [
+                    None
+                    if p is None
+                    else {"epoch": p.epoch, "phase": p.phase, "acked": sorted(p.acked)}
+                    for p in self.passes
+                ],
+            },
+        )
+        self._dirty = False
+
+    def save_engine(self) -> None:
+        """Snapshot the engine's arrays and empty the journal they now contain."""
+        if self.dir is None:
+            return
+        self._save_arrays(self.dir / "importance.npz", self.engine.state_dict())
+        if self.journal is not None:
+            self.journal.reset()
+
+    @staticmethod
+    def _save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub confuses **kwds
+        write_atomic(path, buf.getvalue())
+
+    def _load(self) -> None:
+        assert self.dir is not None
+        saved = read_json(self.dir / "job.json")
+        if saved is None:
+            return
+        old = JobSpec(**saved["spec"])
+        if old != self.spec:
+            raise JobError(
+                f"job {self.spec.name!r} exists with {old}, not {self.spec}", ErrorCode.JOB_CONFLICT
+            )
+        counters = saved.get("counters", {})
+        self.batches_served = int(counters.get("batches_served", 0))
+        self.samples_served = int(counters.get("samples_served", 0))
+        self.feedback_samples = int(counters.get("feedback_samples", 0))
+        npz = self.dir / "importance.npz"
+        if npz.exists():
+            with np.load(npz) as z:
+                self.engine.load_state_dict({k: z[k] for k in z.files})
+        replayed = 0
+        for entry in FeedbackJournal.replay(self.dir / "feedback.log"):
+            self.engine.record(entry.ids, entry.losses, entry.epoch, entry.kind)
+            replayed += len(entry.ids)
+        for rank, r in enumerate(saved.get("ranks", [])[: self.spec.world_size]):
+            if r is not None:
+                plan = self._plan(int(r["epoch"]), r["phase"])[rank]
+                self.passes[rank] = PassState.start(
+                    int(r["epoch"]), r["phase"], plan, set(r["acked"])
+                )
+        logger.info(
+            "job %s: restored at epoch %d (%d feedback samples replayed)",
+            self.spec.name,
+            self.epoch,
+            replayed,
+        )
+
+    def close(self) -> None:
+        """Persist everything and close the journal (safe to call twice)."""
+        if self.dir is not None and self.journal is not None and not self.journal.closed:
+            self.save(force=True)
+            self.save_engine()
+            self.journal.close()

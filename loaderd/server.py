@@ -1,0 +1,421 @@
+"""The daemon's ZeroMQ ROUTER loop: receive, decode, dispatch, reply. No cache logic here.
+
+One thread owns the socket. Requests that need I/O (a batch not yet assembled) are parked
+until the prefetcher announces the batch, so a slow read never stalls other clients. Every
+failure of a request becomes an ERROR reply naming what went wrong; the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from loaderd import __version__
+from loaderd.client.errors import ErrorCode, ProtocolError
+from loaderd.client.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    FieldSpec,
+    Message,
+    MsgType,
+    batch_frames,
+    check_int_list,
+    check_request,
+    decode,
+    decode_feedback,
+    encode,
+    error_message,
+    peek_request_id,
+)
+from loaderd.config import DaemonConfig
+from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState
+from loaderd.prefetch import Assembler, Prefetcher
+from loaderd.stats import build_stats
+from loaderd.storage.dram import DramCache
+from loaderd.storage.errors import CorruptRecordError, StorageError
+from loaderd.storage.store import SampleStore
+from loaderd.storage.tiers import TierStack
+
+logger = logging.getLogger(__name__)
+
+BatchKey = tuple[str, int, int, str, int]  # job, rank, epoch, phase, batch index
+_TICK_S = 0.5
+_MAX_ACKS = 1 << 16
+
+
+class DaemonLockedError(RuntimeError):
+    """Another live daemon holds the socket path or the state directory."""
+
+
+class PathLock:
+    """An exclusive ``flock`` on a file that dies with the process holding it.
+
+    A crashed daemon's lock is released by the kernel, so a restart with the same command
+    always works, while a live daemon can never be displaced.
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise DaemonLockedError(
+                f"{what} is already served by a live daemon (pid {holder})"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Drop the lock (safe to call twice)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Server:
+    """Serves one store to any number of jobs over one ROUTER socket.
+
+    Args:
+        config: the daemon configuration.
+    """
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.job_defaults = config.importance
+        self.started = time.monotonic()
+        self._locks: list[PathLock] = []
+        self.state_dir = config.state_dir
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._locks.append(
+            PathLock(self.state_dir / "daemon.lock", f"state directory {self.state_dir}")
+        )
+        self.ipc_path = (
+            Path(config.socket[len("ipc://") :]) if config.socket.startswith("ipc://") else None
+        )
+        if self.ipc_path is not None:
+            self.ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._locks.append(
+                PathLock(
+                    self.ipc_path.with_name(self.ipc_path.name + ".lock"), f"socket {config.socket}"
+                )
+            )
+            self.ipc_path.unlink(missing_ok=True)  # stale: its owner's lock is gone
+        self.store = SampleStore(config.db)
+        self.tiers = TierStack(self.store, DramCache(config.cache.dram_bytes))
+        self.schema = [FieldSpec(f.name, f.dtype, f.shape) for f in self.store.schema.fields]
+        self.prefetcher = Prefetcher(
+            Assembler(self.tiers, self.store.schema).assemble, config.prefetch.workers
+        )
+        self.jobs: dict[str, Job] = {}
+        self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
+        self._parked_opens: list[tuple[bytes, Message]] = []
+        self._load_jobs()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        self.sock.bind(config.socket)
+        if self.ipc_path is not None:
+            os.chmod(self.ipc_path, 0o600)
+        self._handlers: dict[MsgType, Callable[[bytes, Message], Message | None]] = {
+            MsgType.PING: self._ping,
+            MsgType.HELLO: self._hello,
+            MsgType.OPEN_PASS: self._open_pass,
+            MsgType.GET_BATCH: self._get_batch,
+            MsgType.ACK: self._ack,
+            MsgType.FEEDBACK: self._feedback,
+            MsgType.STATS: self._stats,
+        }
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def serve(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set, then flush state and close."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.prefetcher.wake_fd, zmq.POLLIN)
+        logger.info(
+            "ready: serving %s (%d samples) on %s",
+            self.store.path,
+            self.store.num_samples,
+            self.config.socket,
+        )
+        next_tick = time.monotonic() + _TICK_S
+        try:
+            while not stop.is_set():
+                events = dict(poller.poll(timeout=int(_TICK_S * 1000)))
+                if self.sock in events:
+                    for _ in range(256):  # bounded, so completions are never starved
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._dispatch(frames)
+                if self.prefetcher.wake_fd in events:
+                    for key in self.prefetcher.completed():
+                        self._deliver(key)
+                if time.monotonic() >= next_tick:
+                    self._tick()
+                    next_tick = time.monotonic() + _TICK_S
+        finally:
+            self.close()
+
+    def _tick(self) -> None:
+        self._retry_parked()
+        for job in self.jobs.values():
+            job.save()
+
+    def close(self) -> None:
+        """Flush every job's state, close the socket and remove the socket file (idempotent)."""
+        if self.sock.closed:
+            return
+        self.sock.close()
+        self.ctx.term()
+        self.prefetcher.close()
+        for job in self.jobs.values():
+            job.close()
+        self.tiers.close()
+        if self.ipc_path is not None:
+            self.ipc_path.unlink(missing_ok=True)
+        for lock in self._locks:
+            lock.release()
+        logger.info("stopped")
+
+    def _load_jobs(self) -> None:
+        from loaderd.journal import read_json
+
+        for path in sorted((self.state_dir / "jobs").glob("*/job.json")):
+            saved = read_json(path)
+            try:
+                spec = JobSpec(**saved["spec"])
+                self.jobs[spec.name] = Job(
+                    spec, self.store.num_samples, self.job_defaults, path.parent
+                )
+            except (JobError, KeyError, TypeError, ValueError) as e:
+                logger.warning("skipping saved job in %s: %s", path.parent, e)
+
+    # --- dispatch -----------------------------------------------------------------------------
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        identity, body = frames[0].bytes, frames[1:]
+        try:
+            msg = decode(body)
+            check_request(msg)
+            reply = self._handlers[msg.type](identity, msg)
+        except ProtocolError as e:
+            reply = error_message(peek_request_id(body), ErrorCode.BAD_MESSAGE, str(e))
+        except JobError as e:
+            reply = error_message(peek_request_id(body), e.code, str(e))
+        except CorruptRecordError as e:
+            logger.error("%s", e)
+            reply = error_message(peek_request_id(body), ErrorCode.CORRUPT_RECORD, str(e))
+        except StorageError as e:
+            logger.error("%s", e)
+            reply = error_message(peek_request_id(body), ErrorCode.STORAGE, str(e))
+        except Exception as e:
+            logger.exception("request failed")
+            reply = error_message(
+                peek_request_id(body), ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
+            )
+        if reply is not None:
+            self._send(identity, reply)
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        self.sock.send_multipart([identity, *encode(msg)], copy=False)
+
+    def _job(self, meta: dict[str, Any]) -> Job:
+        job = self.jobs.get(meta["job"])
+        if job is None:
+            raise JobError(f"unknown job {meta['job']!r}: send HELLO first", ErrorCode.UNKNOWN_JOB)
+        return job
+
+    # --- handlers -----------------------------------------------------------------------------
+
+    def _ping(self, identity: bytes, msg: Message) -> Message:
+        return Message(
+            MsgType.PONG,
+            msg.request_id,
+            {
+                "version": PROTOCOL_VERSION,
+                "loaderd": __version__,
+                "pid": os.getpid(),
+                "uptime_s": time.monotonic() - self.started,
+            },
+        )
+
+    def _hello(self, identity: bytes, msg: Message) -> Message:
+        m = msg.meta
+        spec = JobSpec(m["job"], m["world_size"], m["seed"], m["batch_size"], m["options"])
+        spec.check(self.config.max_batch_size)
+        job = self.jobs.get(spec.name)
+        if job is None:
+            job = Job(
+                spec, self.store.num_samples, self.job_defaults, self.state_dir / "jobs" / spec.name
+            )
+            self.jobs[spec.name] = job
+            job.save(force=True)
+            logger.info("job %s opened: %s", spec.name, spec)
+        elif job.spec != spec:
+            raise JobError(
+                f"job {spec.name!r} is running with {asdict(job.spec)}, "
+                f"this client asked for {asdict(spec)}",
+                ErrorCode.JOB_CONFLICT,
+            )
+        job.check_rank(m["rank"])
+        return Message(
+            MsgType.WELCOME,
+            msg.request_id,
+            {
+                "schema": [s.to_json() for s in self.schema],
+                "num_samples": self.store.num_samples,
+                "job": asdict(job.spec),
+            },
+        )
+
+    def _open_pass(self, identity: bytes, msg: Message) -> Message | None:
+        m = msg.meta
+        job = self._job(m)
+        try:
+            state = job.open_pass(m["rank"], m["worker"], m["phase"])
+        except NotReady:
+            self._parked_opens.append((identity, msg))
+            return None
+        self._forget_other_passes(job, m["rank"], state)
+        self._prefetch_ahead(job, m["rank"], state)
+        return Message(
+            MsgType.PASS,
+            msg.request_id,
+            {
+                "epoch": state.epoch,
+                "phase": state.phase,
+                "batches": state.plan.num_batches,
+            },
+        )
+
+    def _retry_parked(self) -> None:
+        parked, self._parked_opens = self._parked_opens, []
+        for identity, msg in parked:
+            reply = self._open_pass(identity, msg)
+            if reply is not None:
+                self._send(identity, reply)
+
+    def _get_batch(self, identity: bytes, msg: Message) -> Message | None:
+        m = msg.meta
+        job = self._job(m)
+        rank, epoch, phase = m["rank"], m["epoch"], m["phase"]
+        state = job.get_pass(rank, epoch, phase)
+        end = Message(MsgType.END, msg.request_id, {"epoch": epoch, "phase": phase})
+        if state is None:
+            return end  # a request for a pass that is over
+        job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
+        got = job.assign(rank, state, m["worker"])
+        if got is None:
+            if state.complete and self._parked_opens:
+                self._retry_parked()
+            return end
+        index, ids, weights = got
+        key: BatchKey = (job.spec.name, rank, epoch, phase, index)
+        fut = self.prefetcher.submit(key, ids, weights)
+        self._prefetch_ahead(job, rank, state)
+        self._waiting.setdefault(key, []).append((identity, msg.request_id))
+        if fut.done():
+            self._deliver(key)
+        return None
+
+    def _prefetch_ahead(self, job: Job, rank: int, state: PassState) -> None:
+        for index in islice(state.queue, self.config.prefetch.depth):
+            ids, weights = state.plan.batch(index)
+            self.prefetcher.submit(
+                (job.spec.name, rank, state.epoch, state.phase, index), ids, weights
+            )
+
+    def _forget_other_passes(self, job: Job, rank: int, state: PassState) -> None:
+        name, cur = job.spec.name, (state.epoch, state.phase)
+        self.prefetcher.drop(
+            lambda k: (
+                k not in self._waiting and k[0] == name and k[1] == rank and (k[2], k[3]) != cur
+            )
+        )
+
+    def _deliver(self, key: BatchKey) -> None:
+        """Send an assembled batch to whoever is waiting for it."""
+        waiters = self._waiting.pop(key, None)
+        if not waiters:
+            return  # assembled ahead of demand: it waits in the prefetcher
+        fut = self.prefetcher.pop(key)
+        assert fut is not None and fut.done()
+        _, _, epoch, phase, index = key
+        for identity, request_id in waiters:
+            try:
+                arrays = fut.result()
+            except Exception as e:
+                code = (
+                    ErrorCode.CORRUPT_RECORD
+                    if isinstance(e, CorruptRecordError)
+                    else ErrorCode.STORAGE
+                )
+                logger.error("batch %s failed: %s", key, e)
+                self._send(identity, error_message(request_id, code, str(e)))
+                continue
+            meta = {"epoch": epoch, "phase": phase, "index": index, "n": len(arrays.ids)}
+            frames = encode(Message(MsgType.BATCH, request_id, meta))
+            self.sock.send_multipart(
+                [identity, *frames, *batch_frames(arrays, self.schema)], copy=False
+            )
+
+    def _ack(self, identity: bytes, msg: Message) -> Message:
+        m = msg.meta
+        job = self._job(m)
+        state = job.get_pass(m["rank"], m["epoch"], m["phase"])
+        if state is not None:
+            job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
+            if state.complete:
+                self._retry_parked()
+        return Message(MsgType.OK, msg.request_id)
+
+    def _feedback(self, identity: bytes, msg: Message) -> Message:
+        job = self._job(msg.meta)
+        kind = msg.meta["kind"]
+        if kind not in ("train", "rescore"):
+            raise JobError(f"FEEDBACK: unknown kind {kind!r}, expected 'train' or 'rescore'")
+        ids, losses = decode_feedback(msg)
+        job.record_feedback(ids, losses, kind)
+        return Message(MsgType.OK, msg.request_id, {"samples": len(ids)})
+
+    def _stats(self, identity: bytes, msg: Message) -> Message:
+        return Message(MsgType.STATS_REPLY, msg.request_id, self.stats())
+
+    def stats(self) -> dict[str, Any]:
+        """Everything ``loaderd stats`` shows."""
+        return build_stats(
+            dataset={
+                "path": str(self.store.path),
+                "samples": self.store.num_samples,
+                "bytes": self.store.total_bytes,
+                "fields": [s.to_json() for s in self.schema],
+            },
+            tiers=self.tiers.stats(),
+            jobs={name: job.stats() for name, job in self.jobs.items()},
+            daemon={
+                "pid": os.getpid(),
+                "version": __version__,
+                "socket": self.config.socket,
+                "state_dir": str(self.state_dir),
+                "prefetched": self.prefetcher.pending,
+            },
+            uptime_s=time.monotonic() - self.started,
+        )
