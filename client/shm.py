@@ -455,6 +455,13 @@ class ShmRing:
         Assemble each frame into ``view(slot, offset, nbytes)`` of its span, then send the
         descriptor.
 
+        Args:
+            slot: a lent slot.
+            sizes: byte size of each payload frame, in wire order.
+
+        Returns:
+            The descriptor to put in the BATCH meta (``to_json()``).
+
         Raises:
             ValueError: the frames do not fit in a slot, or the slot is not lent.
         """
@@ -475,6 +482,16 @@ class ShmRing:
         """Copy ready frames (bytes-like objects) into a lent slot; one copy each.
 
         Prefer ``layout`` and assembling in place where the bytes are not yet in one buffer.
+
+        Args:
+            slot: a lent slot.
+            frames: the payload frames, in wire order.
+
+        Returns:
+            The descriptor of the packed batch.
+
+        Raises:
+            ValueError: the frames do not fit in a slot, or the slot is not lent.
         """
         bufs = [memoryview(f).cast("B") for f in frames]
         desc = self.layout(slot, [b.nbytes for b in bufs])
@@ -484,6 +501,12 @@ class ShmRing:
 
     def frames(self, desc: SlotDescriptor) -> list[memoryview]:
         """The frames a descriptor names, as views of the slot (the inverse of ``layout``).
+
+        Args:
+            desc: a descriptor from a BATCH meta (``SlotDescriptor.from_json``).
+
+        Returns:
+            One writable memoryview per frame, valid until the slot is handed back.
 
         Raises:
             ProtocolError: the descriptor names another ring, a slot or a range outside this
