@@ -1,0 +1,383 @@
+"""Turn a dataset (Parquet, Arrow / Feather, .npz, ImageFolder, WebDataset) into a store.
+
+``ingest`` is what ``loaderd ingest SOURCE --out DB`` runs: ``readers.open_source`` detects
+the kind and yields column batches, ``BatchEncoder`` turns each batch into checksummed
+records, and ``StoreWriter`` appends them in one LMDB transaction per batch. The store is
+built in a temporary sibling directory and renamed into place at the end, so an ingest that
+fails or is interrupted leaves nothing at ``out``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import xxhash
+from tqdm import tqdm
+
+from loaderd.storage.errors import SourceError
+from loaderd.storage.readers import (
+    IMAGE_EXTENSIONS,
+    ColumnBatch,
+    ImageFolderSource,
+    NpzSource,
+    Source,
+    WebDatasetSource,
+    one_line,
+    open_arrow_dataset,
+    open_arrow_stream,
+    open_feather_v1,
+)
+from loaderd.storage.records import RECORD_HEADER, RECORD_VERSION, Schema, seal
+from loaderd.storage.store import StoreWriter
+
+logger = logging.getLogger(__name__)
+
+# The per-field length prefix of a record's variable part: the layout in records.py's
+# docstring. tests/unit/test_ingest.py pins BatchEncoder byte for byte to RecordCodec.encode.
+_VARLEN = struct.Struct("<I")
+_PARQUET_EXT = (".parquet", ".pq", ".parq")
+_ARROW_EXT = (".arrow", ".feather", ".ipc", ".arrows")
+_TAR_EXT = (".tar", ".tgz", ".tar.gz")
+_SUPPORTED = "Parquet, Arrow IPC / Feather, .npz, WebDataset .tar shards or an ImageFolder tree"
+
+
+@dataclass(frozen=True, slots=True)
+class IngestSummary:
+    """What an ingest wrote.
+
+    Attributes:
+        samples: records written (ids 0..samples-1).
+        bytes: total size of the records, headers included.
+        seconds: wall time of the whole ingest.
+        source: the source as given.
+        out: the store directory.
+        kind: the detected source kind (``parquet``, ``npz``, ``imagefolder``, ...).
+    """
+
+    samples: int
+    bytes: int
+    seconds: float
+    source: str
+    out: Path
+    kind: str = ""
+
+    def __str__(self) -> str:
+        rate = self.bytes / self.seconds / 1e6 if self.seconds > 0 else float("inf")
+        return (
+            f"ingested {self.samples} samples ({self.bytes / 1e6:.1f} MB) from {self.kind} "
+            f"{self.source} into {self.out} in {self.seconds:.2f} s ({rate:.1f} MB/s)"
+        )
+
+
+def ingest(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    batch_rows: int = 4096,
+) -> IngestSummary:
+    """Write every sample of ``source`` into a new store at ``out``.
+
+    Args:
+        source: a Parquet file or folder, an Arrow IPC / Feather file (file or stream
+            format), an ``.npz``, an ImageFolder tree, WebDataset ``.tar`` shards (a file or a
+            folder), or an object-store URI of Parquet / Arrow data.
+        out: the store directory to create.
+        overwrite: replace ``out`` if it exists (only once the new store is complete).
+        progress: draw a progress bar on stderr.
+        batch_rows: samples per read batch and per LMDB write transaction.
+
+    Returns:
+        What was written.
+
+    Raises:
+        SourceError: the source is missing, unreadable, empty, of an unsupported kind or has
+            a field loaderd cannot store; nothing is left at ``out``.
+        FileExistsError: ``out`` exists and ``overwrite`` is False.
+        StoreFullError: the store could not be written (e.g. the disk is full).
+    """
+    if batch_rows <= 0:
+        raise ValueError(f"`batch_rows` must be positive, got {batch_rows}")
+    start = time.perf_counter()
+    where = os.fspath(source)
+    with open_source(source, batch_rows=batch_rows) as src:
+        logger.info("ingesting %s %s: %s", src.kind, where, _describe(src.schema))
+        encoder = BatchEncoder(src.schema)
+        with (
+            StoreWriter(out, src.schema, overwrite=overwrite) as writer,
+            tqdm(
+                total=src.total,
+                desc=f"ingest {src.kind}",
+                unit=" samples",
+                disable=not progress,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            ) as bar,
+        ):
+            for batch in src.batches():
+                writer.append(encoder.encode(batch))
+                bar.update(batch.rows)
+                bar.set_postfix_str(f"{writer.bytes / 1e6:.1f} MB", refresh=False)
+            writer.commit({"source": where, "source_kind": src.kind, **src.extra_info})
+        summary = IngestSummary(
+            samples=writer.count,
+            bytes=writer.bytes,
+            seconds=time.perf_counter() - start,
+            source=where,
+            out=writer.path,
+            kind=src.kind,
+        )
+    logger.info("%s", summary)
+    return summary
+
+
+def open_source(source: str | os.PathLike[str], *, batch_rows: int = 4096) -> Source:
+    """Detect what ``source`` is and open it.
+
+    Args:
+        source: a local path, a ``file://`` URI, or an object-store URI (``s3://``, ``gs://``,
+            ...) of Parquet or Arrow data.
+        batch_rows: the most samples per ``ColumnBatch``.
+
+    Returns:
+        The opened source; its first batch has been read already to settle the schema.
+
+    Raises:
+        SourceError: the source is missing, unreadable, empty, of an unsupported kind, or has
+            a column loaderd cannot store.
+    """
+    if batch_rows <= 0:
+        raise ValueError(f"`batch_rows` must be positive, got {batch_rows}")
+    text = os.fspath(source)
+    url = urlparse(text)
+    if url.scheme == "file":
+        text = url.path
+    elif len(url.scheme) > 1:  # one letter is a Windows drive, not a scheme
+        return _open_uri(text, batch_rows)
+    path = Path(text)
+    if not path.exists():
+        raise SourceError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return _open_dir(path, batch_rows)
+    kind = _sniff(path)
+    if kind == "parquet":
+        return open_arrow_dataset(str(path), "parquet", [str(path)], "parquet", None, batch_rows)
+    if kind == "arrow":
+        return open_arrow_dataset(str(path), "arrow", [str(path)], "arrow", None, batch_rows)
+    if kind == "arrow-stream":
+        return open_arrow_stream(path, batch_rows)
+    if kind == "feather-v1":
+        return open_feather_v1(path, batch_rows)
+    if kind == "npz":
+        return NpzSource(path, batch_rows)
+    if kind == "tar":
+        return WebDatasetSource(str(path), [path], batch_rows)
+    raise SourceError(f"{path}: unsupported format (expected {_SUPPORTED})")
+
+
+def _read_head(path: Path) -> bytes:
+    with path.open("rb") as fp:
+        return fp.read(512)
+
+
+def _sniff(path: Path) -> str:
+    """The kind of one file, by magic first: extensions lie, magic numbers rarely do."""
+    try:
+        head = _read_head(path)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read ({e.strerror or e})") from e
+    if not head:
+        raise SourceError(f"{path}: the file is empty (0 bytes)")
+    name = path.name.lower()
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if head.startswith(b"ARROW1"):
+        return "arrow"
+    if head.startswith(b"\xff\xff\xff\xff"):  # the IPC stream format's continuation marker
+        return "arrow-stream"
+    if head.startswith(b"FEA1"):
+        return "feather-v1"
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "npz"
+    if head[257:262] == b"ustar" or (head.startswith(b"\x1f\x8b") and name.endswith(_TAR_EXT)):
+        return "tar"
+    return "unknown"
+
+
+def _ext_kind(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(_PARQUET_EXT):
+        return "parquet"
+    if name.endswith(_ARROW_EXT):
+        return "arrow"
+    if name.endswith(_TAR_EXT):
+        return "tar"
+    if name.endswith(".npz"):
+        return "npz"
+    if name.endswith(IMAGE_EXTENSIONS):
+        return "image"
+    return None
+
+
+def _hidden(rel: Path) -> bool:
+    # Spark and Hive leave _SUCCESS / _metadata and dot files next to the data.
+    return any(part.startswith((".", "_")) for part in rel.parts)
+
+
+def _open_dir(root: Path, batch_rows: int) -> Source:
+    by_kind: dict[str, list[Path]] = {}
+    try:
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+    except OSError as e:
+        raise SourceError(f"{root}: cannot list the directory ({e.strerror or e})") from e
+    unknown = []
+    for p in files:
+        if _hidden(p.relative_to(root)):
+            continue
+        kind = _ext_kind(p)
+        if kind is None:
+            unknown.append(p)
+        else:
+            by_kind.setdefault(kind, []).append(p)
+    if not by_kind.keys() - {"image"}:
+        for p in unknown:  # extensionless data files (e.g. part-00000): ask their magic
+            sniffed = _sniff(p)
+            if sniffed in ("parquet", "arrow", "tar"):
+                by_kind.setdefault(sniffed, []).append(p)
+    data_kinds = sorted(by_kind.keys() - {"image"})
+    if len(data_kinds) > 1:
+        raise SourceError(f"{root}: holds more than one kind of data ({', '.join(data_kinds)})")
+    if data_kinds == ["parquet"] or data_kinds == ["arrow"]:
+        fmt = data_kinds[0]
+        paths = [str(p) for p in by_kind[fmt]]
+        return open_arrow_dataset(str(root), fmt, paths, f"{fmt}-folder", None, batch_rows)
+    if data_kinds == ["tar"]:
+        return WebDatasetSource(str(root), by_kind["tar"], batch_rows)
+    if data_kinds == ["npz"]:
+        raise SourceError(f"{root}: a folder of .npz files is not supported; pass one .npz")
+    if "image" in by_kind:
+        return ImageFolderSource(root, batch_rows)
+    classes = [d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    if files and not classes:
+        raise SourceError(f"{root}: unsupported format (expected {_SUPPORTED})")
+    if classes:
+        raise SourceError(f"{root}: no images in its class directories {sorted(classes)[:5]}")
+    raise SourceError(f"{root}: the directory is empty (expected {_SUPPORTED})")
+
+
+def _open_uri(uri: str, batch_rows: int) -> Source:
+    fmt = "arrow" if uri.lower().rstrip("/").endswith(_ARROW_EXT) else "parquet"
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        info = fs.get_file_info(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise SourceError(f"{uri}: cannot open ({one_line(e)})") from e
+    if info.type == pafs.FileType.NotFound:
+        raise SourceError(f"{uri}: no such file or directory")
+    kind = fmt if info.type == pafs.FileType.File else f"{fmt}-folder"
+    return open_arrow_dataset(uri, fmt, path, kind, fs, batch_rows)
+
+
+def _describe(schema: Schema) -> str:
+    return ", ".join(f"{f.name}:{f.dtype}{list(f.shape) if f.shape else ''}" for f in schema.fields)
+
+
+class BatchEncoder:
+    """Encodes a ``ColumnBatch`` into records, byte for byte what ``RecordCodec.encode`` makes.
+
+    The fixed part of every record (fixed fields, then the variable fields' lengths) is built
+    for the whole batch in one numpy array, one column copy per field; what is left per
+    sample is the checksum and joining the variable bytes.
+
+    Args:
+        schema: the schema of the records.
+    """
+
+    def __init__(self, schema: Schema) -> None:
+        layout = schema.layout
+        self._fixed = [
+            (f.name, layout.offsets[f.name], f.nbytes, np.dtype(f.dtype), f.shape)
+            for f in schema.fields
+            if not f.variable
+        ]
+        self._variable = layout.variable
+        self._lengths_at = layout.fixed_bytes
+        self._prefix = layout.fixed_bytes + _VARLEN.size * len(self._variable)
+        # Alignment gaps between fixed fields: the only bytes no column writes. Zeroing just
+        # these, not the whole buffer, saves touching every byte twice.
+        self._gaps: list[tuple[int, int]] = []
+        end = 0
+        for _, off, nbytes, _, _ in sorted(self._fixed, key=lambda f: f[1]):
+            if off > end:
+                self._gaps.append((end, off))
+            end = off + nbytes
+        if end < layout.fixed_bytes:
+            self._gaps.append((end, layout.fixed_bytes))
+
+    def encode(self, batch: ColumnBatch) -> list[bytes]:
+        """The batch's samples as checksummed records, in order.
+
+        Raises:
+            ValueError: a column does not match the schema (a reader bug, not a user error),
+                or a variable value is 4 GiB or larger.
+        """
+        n = batch.rows
+        head = RECORD_HEADER.size
+        # One buffer for the whole batch: [record header | fixed part] per row, filled by
+        # column; the headers are written last, once the checksums are known.
+        buf = np.empty((n, head + self._prefix), np.uint8)
+        for a, b in self._gaps:
+            buf[:, head + a : head + b] = 0
+        for name, off, nbytes, dtype, shape in self._fixed:
+            col = batch.fixed[name]
+            if col.shape != (n, *shape) or col.dtype != dtype:
+                raise ValueError(
+                    f"field {name!r}: expected {dtype}{(n, *shape)}, got {col.dtype}{col.shape}"
+                )
+            flat = np.ascontiguousarray(col).reshape(n, -1).view(np.uint8)
+            buf[:, head + off : head + off + nbytes] = flat
+        parts = [batch.variable[name] for name in self._variable]
+        for j, values in enumerate(parts):
+            lengths = np.fromiter(map(len, values), np.int64, n)
+            if n and int(lengths.max()) >= 1 << 32:
+                raise ValueError(f"field {self._variable[j]!r}: a value of 4 GiB or more")
+            at = head + self._lengths_at + _VARLEN.size * j
+            buf[:, at : at + _VARLEN.size] = lengths.astype("<u4").view(np.uint8).reshape(n, -1)
+        if parts:
+            return self._encode_variable(buf[:, head:], parts)
+        return self._encode_fixed(buf)
+
+    def _encode_fixed(self, buf: np.ndarray[Any, np.dtype[np.uint8]]) -> list[bytes]:
+        n, width = buf.shape
+        head = RECORD_HEADER.size
+        digest = xxhash.xxh3_64_intdigest
+        bodies = buf[:, head:]
+        sums = np.fromiter((digest(row) for row in bodies), np.uint64, n)
+        header = np.zeros(n, np.dtype([("sum", "<u8"), ("len", "<u4"), ("ver", "<u4")]))
+        header["sum"], header["len"], header["ver"] = sums, width - head, RECORD_VERSION
+        buf[:, :head] = header.view(np.uint8).reshape(n, head)
+        # One bytes object per record is what StoreWriter.append takes; this copy is most of
+        # what encoding costs per sample (views into one blob would make it free).
+        return [row.tobytes() for row in buf]
+
+    def _encode_variable(
+        self,
+        prefixes: np.ndarray[Any, np.dtype[np.uint8]],
+        parts: list[Any],
+    ) -> list[bytes]:
+        join = b"".join
+        return [
+            seal(join((prefix, *values))) for prefix, *values in zip(prefixes, *parts, strict=True)
+        ]
