@@ -153,6 +153,11 @@ class Connection:
 
     close = reset
 
+    def __del__(self) -> None:
+        # A dataset dropped without close() must not leak its socket (or warn about it).
+        if getattr(self, "_sock", None) is not None:
+            self.reset()
+
     def __enter__(self) -> Connection:
         return self
 

@@ -149,13 +149,16 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     continue
                 seen.add(index)
                 batch = self._to_torch(decode_batch(msg, self._schema))
+                acks.append(index)  # handed to the trainer: delivered, even if it stops here
                 yield batch
-                acks.append(index)
             self._conn.request(MsgType.ACK, {**request, "acks": acks}, expect=MsgType.OK)
+            acks = []
             self.flush()
         finally:
             self._phase = "train"
-            for rid in in_flight:  # left early: what is still coming is not ours to use
+            if acks:  # left early: what the trainer took is delivered; the rest goes back
+                self._conn.ignore(self._conn.send(MsgType.ACK, {**request, "acks": acks}))
+            for rid in in_flight:
                 self._conn.ignore(rid)
 
     def _to_torch(self, arrays: BatchArrays) -> dict[str, Any]:

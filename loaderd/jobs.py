@@ -138,7 +138,6 @@ class Job:
         self.served_epoch = np.full(num_samples, -1, np.int32)
         self.batches_served = 0
         self.samples_served = 0
-        self.feedback_samples = 0
         self.duplicate_acks = 0
         self._plans: dict[tuple[int, str], list[RankPlan]] = {}
         self._selections: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -311,7 +310,6 @@ class Job:
             self.engine.record(sel_ids, sel_losses, int(e), kind)
             if self.journal is not None:
                 self.journal.append(int(e), kind, sel_ids, sel_losses)
-        self.feedback_samples += len(ids)
 
     # --- state --------------------------------------------------------------------------------
 
@@ -324,7 +322,7 @@ class Job:
             "seed": self.spec.seed,
             "batches_served": self.batches_served,
             "samples_served": self.samples_served,
-            "feedback_samples": self.feedback_samples,
+            "feedback_samples": self.engine.stats()["feedback_samples"],
             "duplicate_acks": self.duplicate_acks,
             "ranks": [
                 None
@@ -356,7 +354,6 @@ class Job:
                 "counters": {
                     "batches_served": self.batches_served,
                     "samples_served": self.samples_served,
-                    "feedback_samples": self.feedback_samples,
                 },
                 "ranks": [
                     None
@@ -397,7 +394,6 @@ class Job:
         counters = saved.get("counters", {})
         self.batches_served = int(counters.get("batches_served", 0))
         self.samples_served = int(counters.get("samples_served", 0))
-        self.feedback_samples = int(counters.get("feedback_samples", 0))
         npz = self.dir / "importance.npz"
         if npz.exists():
             with np.load(npz) as z:

@@ -122,6 +122,9 @@ class Server:
         self.jobs: dict[str, Job] = {}
         self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
         self._parked_opens: list[tuple[bytes, Message]] = []
+        # FEEDBACK is acknowledged only once journalled and fsynced: one fsync per loop turn
+        # covers every feedback that arrived in it (group commit).
+        self._unsynced: list[tuple[bytes, Message]] = []
         self._load_jobs()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -165,6 +168,7 @@ class Server:
                         except zmq.Again:
                             break
                         self._dispatch(frames)
+                    self._commit_feedback()
                 if self.prefetcher.wake_fd in events:
                     for key in self.prefetcher.completed():
                         self._deliver(key)
@@ -173,6 +177,16 @@ class Server:
                     next_tick = time.monotonic() + _TICK_S
         finally:
             self.close()
+
+    def _commit_feedback(self) -> None:
+        if not self._unsynced:
+            return
+        for job in self.jobs.values():
+            if job.journal is not None:
+                job.journal.sync()
+        for identity, reply in self._unsynced:
+            self._send(identity, reply)
+        self._unsynced.clear()
 
     def _tick(self) -> None:
         self._retry_parked()
@@ -387,14 +401,16 @@ class Server:
                 self._retry_parked()
         return Message(MsgType.OK, msg.request_id)
 
-    def _feedback(self, identity: bytes, msg: Message) -> Message:
+    def _feedback(self, identity: bytes, msg: Message) -> None:
         job = self._job(msg.meta)
         kind = msg.meta["kind"]
         if kind not in ("train", "rescore"):
             raise JobError(f"FEEDBACK: unknown kind {kind!r}, expected 'train' or 'rescore'")
         ids, losses = decode_feedback(msg)
         job.record_feedback(ids, losses, kind)
-        return Message(MsgType.OK, msg.request_id, {"samples": len(ids)})
+        self._unsynced.append(
+            (identity, Message(MsgType.OK, msg.request_id, {"samples": len(ids)}))
+        )
 
     def _stats(self, identity: bytes, msg: Message) -> Message:
         return Message(MsgType.STATS_REPLY, msg.request_id, self.stats())

@@ -1,0 +1,85 @@
+"""Shared test helpers: a real daemon in a subprocess, and waiting on conditions."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from loaderd.launch import start_daemon, stop_daemon, wait_ready
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll ``pred`` until it holds; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def make_npz(
+    path: Path, n: int, shape: tuple[int, ...] = (3, 8, 8), seed: int = 0
+) -> dict[str, np.ndarray]:
+    """A small dataset whose image bytes encode the sample index (easy to check)."""
+    rng = np.random.default_rng(seed)
+    arrays = {
+        "image": rng.integers(0, 256, (n, *shape), dtype=np.uint8),
+        "label": (np.arange(n) % 10).astype(np.int64),
+    }
+    np.savez(path, **arrays)
+    return arrays
+
+
+@dataclass
+class Daemon:
+    """A ``loaderd serve`` subprocess on a temporary ipc socket."""
+
+    db: Path
+    state_dir: Path
+    extra: list[str] = field(default_factory=list)
+    sock_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ld-", dir="/tmp")))
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        # ipc paths must stay under ~100 characters, so the socket lives in /tmp
+        return f"ipc://{self.sock_dir}/d.sock"
+
+    @property
+    def log(self) -> Path:
+        return self.state_dir.parent / f"{self.state_dir.name}.log"
+
+    def start(self) -> Daemon:
+        self.state_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = start_daemon(
+            self.db, self.address, state_dir=self.state_dir, extra=self.extra, log=self.log
+        )
+        try:
+            wait_ready(self.address, timeout_s=20, proc=self.proc)
+        except Exception:
+            print(self.log.read_text())
+            raise
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        return stop_daemon(self.proc, timeout_s=10)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_daemon(self.proc, timeout_s=5)
+        if self.log.exists():
+            print(self.log.read_text()[-4000:])  # shown when the test fails
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
