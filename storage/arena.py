@@ -157,6 +157,7 @@ class Arena:
         self._ring: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._head = self._log_off
         self._seq = 1
+        self._batch_seq = 1  # first sequence of the batch being written, not yet committed
         self._used = 0
         self._pending: set[int] = set()  # pages with revoked commit words not yet flushed
         self.corrupt_dropped = 0
@@ -360,8 +361,9 @@ class Arena:
         if self._closed:
             raise StorageError(f"arena {self.path} is closed")
 
-    def _evict_front(self, evict: bool, evicted: list[int], batch_dropped: set[int]) -> None:
+    def _evict_front(self, evict: bool, evicted: list[int]) -> None:
         off, extent, sample_id, seq = self._ring[0]
+        assert seq < self._batch_seq, "a batch must never overwrite itself"
         if self._index.get(sample_id) == (off, seq):
             if not evict:
                 raise StoreFullError(
@@ -371,11 +373,10 @@ class Arena:
             del self._index[sample_id]
             self.evictions += 1
             evicted.append(sample_id)
-        batch_dropped.add(seq)  # a record of this batch, overwritten before its commit
         self._ring.popleft()
         self._used -= extent
 
-    def _place(self, extent: int, evict: bool, evicted: list[int], dropped: set[int]) -> int:
+    def _place(self, extent: int, evict: bool, evicted: list[int]) -> int:
         """Find room for ``extent`` bytes at the head, evicting what is in the way."""
         while True:
             ahead = bool(self._ring) and self._ring[0][0] >= self._head
@@ -383,7 +384,7 @@ class Arena:
             if self._head + extent <= limit:
                 return self._head
             if ahead:
-                self._evict_front(evict, evicted, dropped)
+                self._evict_front(evict, evicted)
             else:
                 self._head = self._log_off  # nothing left before the end: wrap
 
@@ -428,17 +429,25 @@ class Arena:
         with self._lock:
             self._check_open()
             written: list[_Rec] = []
-            dropped: set[int] = set()
+            batch_bytes = 0
+            self._batch_seq = self._seq
             try:
                 for sample_id, payload in items:
-                    written.append(self._write(sample_id, payload, evict, evicted, dropped))
+                    extent = record_extent(memoryview(payload).nbytes)
+                    if batch_bytes + extent > self._log_bytes // 2:
+                        # Commit early: an uncommitted batch spanning (with the space a wrap
+                        # wastes) at most the whole ring can never overwrite itself.
+                        self._commit(written)
+                        written, batch_bytes = [], 0
+                        self._batch_seq = self._seq
+                    written.append(self._write(sample_id, payload, evict, evicted))
+                    batch_bytes += extent
             finally:
-                self._commit([r for r in written if r.seq not in dropped])
+                self._commit(written)
+                self._batch_seq = self._seq
         return evicted
 
-    def _write(
-        self, sample_id: int, payload: Payload, evict: bool, evicted: list[int], dropped: set[int]
-    ) -> _Rec:
+    def _write(self, sample_id: int, payload: Payload, evict: bool, evicted: list[int]) -> _Rec:
         if not 0 <= sample_id <= _MAX_SAMPLE_ID:
             raise ValueError(f"`sample_id` must be in [0, 2**63), got {sample_id}")
         length = memoryview(payload).nbytes
@@ -448,7 +457,7 @@ class Arena:
                 f"sample {sample_id} of {length} bytes does not fit in arena {self.path} "
                 f"(log of {self._log_bytes} bytes)"
             )
-        off = self._place(extent, evict, evicted, dropped)
+        off = self._place(extent, evict, evicted)
         seq = self._seq
         self._seq += 1
         fields = _REC.pack(
@@ -489,7 +498,11 @@ class Arena:
         for rec in recs:
             commit_at = rec.off + _REC_HEAD + _align(rec.length, 8)
             _CHECKSUM.pack_into(self._mm, commit_at, _commit_word(rec.header_xxh))
+            old = self._index.get(rec.sample_id)
             self._index[rec.sample_id] = (rec.off, rec.seq)
+            if old is not None and (prev := self._parse(old[0])) is not None:
+                # Revoke the replaced copy: a later discard must not bring it back on reopen.
+                self._revoke(old[0], prev.length)
         self._flush_records(recs)
         self._flush_pending()
 
