@@ -30,7 +30,7 @@ from loaderd.samplers import (
     loss_variance,
     select_infobatch,
     select_top,
-    split_two_clusters,
+    split_sorted,
 )
 
 logger = logging.getLogger(__name__)
@@ -283,13 +283,16 @@ class ImportanceEngine:
         else:
             self._feedback += idx.size
 
-        # Fancy `+=` counts a repeated id once; np.add.at is exact but several times slower, so
-        # use it only when the batch really repeats an id.
+        # Fancy `+=` counts a repeated id once (and np.add.at is slow), so count runs of equal
+        # ids in the sorted batch when it repeats one: a 65536-batch over 10M ids usually does.
         ordered = np.sort(idx)
-        if idx.size > 1 and bool((ordered[1:] == ordered[:-1]).any()):
-            np.add.at(self._count, idx, 1)
-        else:
+        new_run = ordered[1:] != ordered[:-1]
+        if new_run.all():
             self._count[idx] += 1
+        else:
+            starts = np.flatnonzero(np.concatenate(([True], new_run)))
+            runs = np.diff(starts, append=idx.size).astype(np.int32)
+            self._count[ordered[starts]] += runs
         self._epoch = max(self._epoch, epoch)
 
     def rescore_ids(self, epoch: int) -> NDArray[np.int64]:
@@ -450,7 +453,9 @@ class ImportanceEngine:
         # Order does not matter to a variance; skip the [K, N] copy when every row is in the window.
         var, seen = loss_variance(self._ring if rows.size == len(self._ring) else self._ring[rows])
         known = seen >= 2
-        split = split_two_clusters(var[known])
+        known_var = var[known]
+        known_var.sort()  # in place: a fresh copy is already in hand, don't let the split copy it
+        split = split_sorted(known_var)
         # Too little history means unknown fluctuation: re-score it rather than trust one loss.
         self._high = ~known | (var >= split.threshold)
         self._variance = var

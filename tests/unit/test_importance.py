@@ -86,12 +86,12 @@ def test_split_degenerate_inputs() -> None:
         split_two_clusters(np.array([1.0, np.nan]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.one_of(st.integers(0, 4).map(float), st.floats(0, 100, allow_nan=False)),
         min_size=1,
-        max_size=9,
+        max_size=8,
     )
 )
 def test_split_matches_brute_force(raw: list[float]) -> None:
@@ -103,6 +103,22 @@ def test_split_matches_brute_force(raw: list[float]) -> None:
     if s.high_size:
         assert values[high].mean() == pytest.approx(s.high_mean)
         assert s.high_mean > s.low_mean
+
+
+def test_blocked_kernels_match_across_block_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    import loaderd.samplers
+
+    rng = np.random.default_rng(5)
+    history = rng.exponential(1.0, (3, 50)).astype(np.float32)
+    history[rng.random((3, 50)) < 0.3] = np.nan
+    whole = loss_variance(history)
+    monkeypatch.setattr(loaderd.samplers, "_BLOCK", 3)
+    blocked = loss_variance(history)
+    np.testing.assert_array_equal(whole[1], blocked[1])
+    np.testing.assert_allclose(whole[0], blocked[0], rtol=1e-6)
+    for _ in range(20):
+        values = rng.integers(0, 6, rng.integers(1, 10)).astype(np.float64)
+        assert split_two_clusters(values).cost == pytest.approx(brute_force_cost(values), abs=1e-9)
 
 
 def test_split_is_exact_on_large_tight_values() -> None:
@@ -290,6 +306,22 @@ def test_unbiased_draw_prefers_important_samples_with_replacement() -> None:
     assert flat.tolist() == list(range(10))  # nothing to prefer: uniform
 
 
+@pytest.mark.parametrize("block", [7, 1 << 16])
+def test_unbiased_draw_is_systematic(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    import loaderd.samplers
+
+    monkeypatch.setattr(loaderd.samplers, "_BLOCK", block)  # blocks must not change the draw
+    rng = np.random.default_rng(3)
+    imp = rng.exponential(1.0, 500).astype(np.float32)
+    imp[:50] = 0.0
+    ids, w = draw_unbiased(imp, 400, 0.0, np.random.default_rng(1))
+    p = imp.astype(np.float64) / imp.astype(np.float64).sum()
+    hits = np.bincount(ids, minlength=500)
+    assert hits.sum() == 400 and (hits[:50] == 0).all()  # zero probability: never drawn
+    assert (hits >= np.floor(400 * p) - 1e-9).all() and (hits <= np.ceil(400 * p) + 1e-9).all()
+    np.testing.assert_allclose(w, 1 / (500 * p[ids]), rtol=1e-5)
+
+
 def test_engine_unbiased_sampler() -> None:
     engine = engine_with_history("unbiased", mix=0.5)
     ids, w = engine.select(3, seed=0)
@@ -302,14 +334,14 @@ def test_infobatch_keeps_an_upweighted_share_of_the_pruned() -> None:
     ids, w, cut = select_infobatch(imp, 700, 0.5, np.random.default_rng(0))
     top = ids >= 300
     assert top.sum() == 700 and (w[top] == 1).all() and cut == 300.0
-    assert (~top).sum() == 150 and (w[~top] == 2.0).all()
-    assert float(w.sum()) == pytest.approx(1000.0)  # weights restore the full count
+    assert 100 < (~top).sum() < 200 and (w[~top] == 2.0).all()  # each pruned kept w.p. 0.5
+    assert set(ids[~top]) <= set(range(300))
     assert (np.diff(ids) > 0).all()
 
 
 def test_annealing_trains_on_everything_in_the_last_epochs() -> None:
     engine = engine_with_history("infobatch", anneal_epochs=2, epochs=10)
-    assert engine.select(7, seed=0)[0].size == 850
+    assert 800 < engine.select(7, seed=0)[0].size < 900  # 700 + about half of the other 300
     for epoch in (8, 9):
         ids, w = engine.select(epoch, seed=0)
         assert ids.size == 1000 and (w == 1).all()
