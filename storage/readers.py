@@ -362,10 +362,13 @@ class _FixedColumn(_Column):
             dtype = _numeric(t.value_type)
             if dtype is None:
                 return None
-            # The storage is one flat fixed-size list per row; the type carries the shape.
-            return cls(where, af.name, ["tensor"], [int(d) for d in t.shape], dtype, t)
+            # The storage is one flat fixed-size list per row; the type carries the shape,
+            # which a permutation reorders into the logical shape.
+            perm = t.permutation or range(len(t.shape))
+            dims: list[int | None] = [int(t.shape[p]) for p in perm]
+            return cls(where, af.name, ["tensor"], dims, dtype, t)
         levels: list[str] = []
-        dims: list[int | None] = []
+        dims = []
         while True:
             if pa.types.is_fixed_size_list(t):
                 levels.append("fixed")
@@ -400,7 +403,7 @@ class _FixedColumn(_Column):
         n = len(arr)
         perm = None if self.tensor is None else self.tensor.permutation
         if perm is not None and list(perm) != list(range(len(perm))):
-            # A permuted tensor's storage is not row-major; let Arrow lay it out logically.
+            # A permuted tensor's storage is not in logical row-major order; Arrow reorders.
             self.check_nulls(arr, row0)
             return np.ascontiguousarray(arr.to_numpy_ndarray(), self.dtype)
         if self.tensor is not None:

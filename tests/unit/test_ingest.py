@@ -187,6 +187,35 @@ def test_feather_ipc_file_and_stream(tmp_path: Path) -> None:
     check_rich(tmp_path / "c")
 
 
+def test_arrow_shapes(tmp_path: Path) -> None:
+    x = np.arange(2 * 60, dtype=np.float32)
+    # Physical shape (3, 4, 5) read through permutation [1, 0, 2]: logical shape (4, 3, 5).
+    ptype = pa.fixed_shape_tensor(pa.float32(), [3, 4, 5], permutation=[1, 0, 2])
+    perm = pa.ExtensionArray.from_storage(ptype, pa.FixedSizeListArray.from_arrays(x, 60))
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(x), 60)
+    table = pa.table(
+        {
+            "perm": perm,
+            "nested": pa.array([[[1, 2], [3, 4]], [[5, 6], [7, 8]]]),
+            "flat": flat,
+        }
+    )
+    # A flat fixed-size list keeps the shape loaderd's own Schema.to_arrow writes beside it.
+    meta = Schema((Field("flat", "float32", (6, 10)),)).to_arrow().field("flat").metadata
+    table = table.set_column(2, pa.field("flat", flat.type, metadata=meta), flat)
+    feather.write_feather(table, tmp_path / "d.feather")
+    ingest(tmp_path / "d.feather", tmp_path / "db", progress=False)
+    store, rows = read_store(tmp_path / "db")
+    assert fields(store) == {
+        "perm": ("float32", (4, 3, 5)),
+        "nested": ("int64", (2, 2)),
+        "flat": ("float32", (6, 10)),
+    }
+    assert_column(rows, "perm", np.ascontiguousarray(perm.to_numpy_ndarray()))
+    assert_column(rows, "nested", np.arange(1, 9, dtype=np.int64).reshape(2, 2, 2))
+    assert_column(rows, "flat", x.reshape(2, 6, 10))
+
+
 @pytest.mark.parametrize("compressed", [False, True])
 def test_npz_round_trip(tmp_path: Path, compressed: bool) -> None:
     rng = np.random.default_rng(1)
