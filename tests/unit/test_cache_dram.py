@@ -1,0 +1,180 @@
+"""storage/dram.py and storage/tiers.py: LRU order, byte bound, accounting, tier stack reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaderd.storage.dram import DramCache
+from loaderd.storage.records import Field, RecordCodec, Schema
+from loaderd.storage.store import SampleStore, StoreWriter
+from loaderd.storage.tiers import TierStack
+
+
+def rec(tag: int, size: int = 10) -> bytes:
+    return bytes([tag % 256]) * size
+
+
+# ---------------------------------------------------------------- DramCache
+
+
+def test_get_and_put() -> None:
+    c = DramCache(100)
+    assert c.get(1) is None
+    assert c.put(1, rec(1)) is True
+    assert c.get(1) == rec(1)
+    assert 1 in c and 2 not in c and len(c) == 1
+    s = c.stats()
+    assert (s["hits"], s["misses"], s["used_bytes"], s["items"]) == (1, 1, 10, 1)
+    assert s["hit_rate"] == 0.5 and s["name"] == "dram" and s["capacity_bytes"] == 100
+
+
+def test_evicts_least_recently_used_first() -> None:
+    c = DramCache(30)
+    for i in range(3):
+        c.put(i, rec(i))
+    assert c.get(0) == rec(0)  # 0 is now the most recently used; 1 is the oldest
+    c.put(3, rec(3))
+    assert 1 not in c
+    assert {0, 2, 3} == {i for i in range(4) if i in c}
+    c.put(4, rec(4))  # next oldest: 2
+    assert 2 not in c and 0 in c
+    assert c.evictions == 2
+
+
+def test_put_refreshes_recency_and_replaces_size() -> None:
+    c = DramCache(30)
+    c.put(0, rec(0))
+    c.put(1, rec(1))
+    c.put(0, rec(7, 15))  # replace: 0 becomes most recent and grows
+    assert c.used_bytes == 25 and c.get(0) == rec(7, 15)
+    c.put(2, rec(2))  # needs 5 more bytes: evicts 1, the least recent
+    assert 1 not in c and 0 in c and 2 in c
+    assert c.used_bytes == 25 and c.evictions == 1
+
+
+def test_byte_bound_holds_and_evictions_count() -> None:
+    rng = np.random.default_rng(0)
+    c = DramCache(1000)
+    admitted = 0
+    for i in range(500):
+        size = int(rng.integers(1, 200))
+        assert c.put(i, rec(i, size))
+        admitted += 1
+        assert c.used_bytes <= 1000
+        assert c.used_bytes == sum(len(c._items[k]) for k in c._items)
+    assert c.evictions == admitted - len(c)
+    assert c.stats()["evictions"] == c.evictions
+
+
+def test_one_big_record_evicts_several() -> None:
+    c = DramCache(100)
+    for i in range(10):
+        c.put(i, rec(i))
+    assert c.put(99, rec(99, 95))
+    assert len(c) == 1 and c.evictions == 10 and c.used_bytes == 95
+
+
+def test_oversize_record_is_refused_and_evicts_nothing() -> None:
+    c = DramCache(50)
+    c.put(1, rec(1))
+    assert c.put(2, rec(2, 51)) is False
+    assert 2 not in c and 1 in c and c.evictions == 0 and c.used_bytes == 10
+    assert c.put(3, rec(3, 50)) is True  # exactly the capacity fits
+    assert c.used_bytes == 50 and len(c) == 1
+
+
+def test_zero_capacity_holds_nothing() -> None:
+    c = DramCache(0)
+    assert c.put(1, rec(1, 1)) is False
+    assert len(c) == 0 and c.get(1) is None
+    assert c.stats()["hit_rate"] == 0.0 and c.misses == 1
+
+
+def test_negative_capacity_is_refused() -> None:
+    with pytest.raises(ValueError, match="`capacity_bytes` must be >= 0, got -1"):
+        DramCache(-1)
+
+
+def test_hit_rate_with_no_lookups() -> None:
+    assert DramCache(10).stats()["hit_rate"] == 0.0
+
+
+# ---------------------------------------------------------------- TierStack
+
+SCHEMA = Schema((Field("x", "int64", (3,)), Field("s", "binary")))
+CODEC = RecordCodec(SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiers") / "store"
+    with StoreWriter(path, SCHEMA) as w:
+        w.append([CODEC.encode({"x": [i, i, i], "s": b"v" * (i % 7)}) for i in range(100)])
+    return path
+
+
+def test_tier_stack_serves_the_store_bytes_and_counts(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        truth = store.get_many(range(100))
+    store = SampleStore(store_path)
+    stack = TierStack(store, DramCache(1 << 20))
+    try:
+        ids = np.array([5, 9, 5, 42])
+        assert stack.get_many(ids) == [truth[i] for i in ids]
+        s = stack.stats()
+        # every lookup went to DRAM first; 5 was not yet admitted when looked up twice
+        assert s["cache"]["misses"] == 4 and s["cache"]["hits"] == 0
+        assert s["backing"]["reads"] == 4
+        assert "name" not in s["cache"] and s["tiers"][0]["name"] == "dram"
+
+        assert stack.get_many([42, 9, 77]) == [truth[42], truth[9], truth[77]]
+        s = stack.stats()
+        assert (s["cache"]["hits"], s["cache"]["misses"]) == (2, 5)
+        assert s["backing"]["reads"] == 5  # only 77 went to the store
+        assert s["backing"]["bytes_read"] == sum(len(truth[i]) for i in (5, 9, 5, 42, 77))
+        assert s["cache"]["items"] == 4
+    finally:
+        stack.close()
+        stack.close()  # twice is harmless
+
+
+def test_tier_stack_with_a_full_cache_still_serves_everything(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        truth = store.get_many(range(100))
+    smallest = min(len(r) for r in truth)
+    stack = TierStack(SampleStore(store_path), DramCache(smallest * 2))
+    try:
+        order = np.random.default_rng(1).integers(0, 100, 300)
+        for lo in range(0, 300, 7):
+            ids = order[lo : lo + 7]
+            assert stack.get_many(ids) == [truth[i] for i in ids]
+        s = stack.stats()
+        assert s["cache"]["used_bytes"] <= smallest * 2
+        assert s["cache"]["hits"] + s["cache"]["misses"] == 300
+        assert s["backing"]["reads"] == s["cache"]["misses"]
+    finally:
+        stack.close()
+
+
+def test_tier_stack_with_zero_capacity_reads_through(store_path: Path) -> None:
+    stack = TierStack(SampleStore(store_path), DramCache(0))
+    try:
+        stack.get_many([1, 1, 2])
+        stack.get_many([1])
+        assert stack.stats()["backing"]["reads"] == 4
+        assert stack.stats()["cache"]["hits"] == 0
+    finally:
+        stack.close()
+
+
+def test_tier_stack_missing_id_is_a_key_error_and_admits_nothing(store_path: Path) -> None:
+    stack = TierStack(SampleStore(store_path), DramCache(1 << 20))
+    try:
+        with pytest.raises(KeyError):
+            stack.get_many([1, 100])
+        assert len(stack.dram) == 0
+    finally:
+        stack.close()

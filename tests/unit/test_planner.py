@@ -1,0 +1,124 @@
+"""loaderd/planner.py: deterministic, complete and even plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaderd.planner import plan_pass
+
+
+def plan(n: int, *, seed: int = 1, epoch: int = 0, phase: str = "train", ws: int = 2, bs: int = 4):
+    ids = np.arange(n, dtype=np.int64)
+    weights = (ids * 0.5).astype(np.float32)
+    return plan_pass(
+        ids, weights, seed=seed, epoch=epoch, phase=phase, world_size=ws, batch_size=bs
+    )
+
+
+def batches(plans) -> list[list[np.ndarray]]:
+    return [[p.batch(i)[0] for i in range(p.num_batches)] for p in plans]
+
+
+def flat_ids(plans) -> np.ndarray:
+    return np.concatenate([p.ids for p in plans])
+
+
+def test_same_inputs_same_plan() -> None:
+    a, b = plan(1000, seed=5, epoch=3), plan(1000, seed=5, epoch=3)
+    for pa, pb in zip(a, b, strict=True):
+        np.testing.assert_array_equal(pa.ids, pb.ids)
+        np.testing.assert_array_equal(pa.weights, pb.weights)
+        np.testing.assert_array_equal(pa.bounds, pb.bounds)
+
+
+@pytest.mark.parametrize(
+    "change", [{"epoch": 4}, {"seed": 6}, {"phase": "rescore"}], ids=["epoch", "seed", "phase"]
+)
+def test_each_input_changes_the_order(change: dict) -> None:
+    base = dict(seed=5, epoch=3, phase="train")
+    a = flat_ids(plan(1000, **base))
+    b = flat_ids(plan(1000, **{**base, **change}))
+    assert not np.array_equal(a, b)
+    np.testing.assert_array_equal(np.sort(a), np.sort(b))
+
+
+def test_plan_is_shuffled() -> None:
+    ids = flat_ids(plan(1000, ws=1))
+    assert not np.array_equal(ids, np.arange(1000))
+
+
+def test_weights_follow_their_ids() -> None:
+    for p in plan(257, ws=3, bs=10):
+        np.testing.assert_array_equal(p.weights, (p.ids * 0.5).astype(np.float32))
+        for i in range(p.num_batches):
+            ids, w = p.batch(i)
+            np.testing.assert_array_equal(w, (ids * 0.5).astype(np.float32))
+
+
+def test_repeated_ids_are_kept() -> None:
+    ids = np.array([3, 3, 3, 1], np.int64)
+    plans = plan_pass(
+        ids, np.ones(4, np.float32), seed=0, epoch=0, phase="train", world_size=2, batch_size=1
+    )
+    assert sorted(flat_ids(plans).tolist()) == [1, 3, 3, 3]
+
+
+def test_mismatched_weights_are_refused() -> None:
+    with pytest.raises(ValueError, match="5 ids but 4 weights"):
+        plan_pass(
+            np.arange(5),
+            np.ones(4, np.float32),
+            seed=0,
+            epoch=0,
+            phase="train",
+            world_size=1,
+            batch_size=2,
+        )
+
+
+def test_empty_selection() -> None:
+    plans = plan(0, ws=3)
+    assert [p.num_batches for p in plans] == [0, 0, 0]
+
+
+def test_known_split() -> None:
+    plans = plan(10, ws=2, bs=4)
+    assert [p.num_batches for p in plans] == [2, 2]
+    assert [[len(b) for b in bs] for bs in batches(plans)] == [[2, 3], [2, 3]]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    n=st.integers(0, 2000),
+    ws=st.integers(1, 17),
+    bs=st.integers(1, 300),
+    seed=st.integers(0, 2**32 - 1),
+    epoch=st.integers(0, 1000),
+)
+def test_complete_even_and_bounded(n: int, ws: int, bs: int, seed: int, epoch: int) -> None:
+    plans = plan(n, seed=seed, epoch=epoch, ws=ws, bs=bs)
+    assert len(plans) == ws
+    # every id exactly once across ranks
+    np.testing.assert_array_equal(np.sort(flat_ids(plans)), np.arange(n))
+    # every rank the same number of batches, and no more than needed
+    counts = {p.num_batches for p in plans}
+    assert len(counts) == 1
+    share = -(-n // ws)
+    assert counts.pop() == -(-share // bs)
+    # ranks' shares differ by at most one sample
+    sizes = [len(p.ids) for p in plans]
+    assert max(sizes) - min(sizes) <= 1
+    for p, bs_of_rank in zip(plans, batches(plans), strict=True):
+        lens = [len(b) for b in bs_of_rank]
+        assert sum(lens) == len(p.ids)
+        if lens:
+            assert max(lens) - min(lens) <= 1
+            assert max(lens) <= bs
+            # a batch is empty only when the rank has fewer samples than batches
+            assert min(lens) >= 1 or len(p.ids) < p.num_batches
+        # batches tile the rank's ids in order
+        assert p.bounds[0] == 0 and p.bounds[-1] == len(p.ids)
+        assert np.all(np.diff(p.bounds) >= 0)
