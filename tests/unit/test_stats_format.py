@@ -1,0 +1,146 @@
+"""loaderd/stats.py: the STATS object and the table ``loaderd stats`` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from loaderd.stats import build_stats, format_table, human_bytes
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1, "1 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (10 * 1024**2, "10.0 MiB"),
+        (2 * 1024**3, "2.0 GiB"),
+        (3 * 1024**4, "3.0 TiB"),
+        (1024**5, "1024.0 TiB"),
+        (-2048, "-2.0 KiB"),
+    ],
+)
+def test_human_bytes(n: float, text: str) -> None:
+    assert human_bytes(n) == text
+
+
+def realistic_stats() -> dict[str, Any]:
+    dram = {
+        "name": "dram",
+        "capacity_bytes": 2 << 30,
+        "used_bytes": 1536 << 20,
+        "items": 123_456,
+        "hits": 987_654,
+        "misses": 12_346,
+        "evictions": 4_321,
+        "hit_rate": 987_654 / 1_000_000,
+    }
+    return build_stats(
+        dataset={
+            "path": "/data/imagenet.ldb",
+            "samples": 1_281_167,
+            "bytes": 150 * 1024**3,
+            "fields": [
+                {"name": "image", "dtype": "uint8", "shape": [224, 224, 3]},
+                {"name": "label", "dtype": "int64", "shape": []},
+                {"name": "caption", "dtype": "string", "shape": []},
+            ],
+        },
+        tiers={
+            "cache": {k: v for k, v in dram.items() if k != "name"},
+            "tiers": [dram],
+            "backing": {"reads": 12_346, "bytes_read": 3 * 1024**3},
+            "nvram": {"note": "extra key is kept"},
+        },
+        jobs={
+            "resnet": {
+                "epoch": 7,
+                "world_size": 8,
+                "batches_served": 40_000,
+                "samples_served": 10_240_000,
+                "feedback_samples": 9_999_999,
+                "importance": {
+                    "sampler": "importance",
+                    "kept_fraction": 0.700012345,
+                    "split": {"low": 0.0123456, "high": 1.5},
+                },
+            }
+        },
+        daemon={"pid": 4242, "version": "0.1.0"},
+        uptime_s=3723.45678,
+    )
+
+
+def test_build_stats_layout() -> None:
+    s = realistic_stats()
+    assert s["uptime_s"] == 3723.457
+    assert s["cache"]["hits"] == 987_654 and s["tiers"][0]["name"] == "dram"
+    assert s["backing"]["reads"] == 12_346
+    assert s["nvram"] == {"note": "extra key is kept"}
+    assert set(s) >= {"dataset", "cache", "tiers", "backing", "jobs", "daemon", "uptime_s"}
+
+
+def test_format_table_contains_the_key_figures() -> None:
+    table = format_table(realistic_stats())
+    lines = table.splitlines()
+    for expected in [
+        "/data/imagenet.ldb",
+        "1,281,167",  # samples
+        "150.0 GiB",  # dataset bytes
+        "image:uint8(224, 224, 3), label:int64, caption:string",
+        "tier dram",
+        "2.0 GiB",  # capacity
+        "1.5 GiB in 123,456 items",
+        "987,654 / 12,346  (hit rate 98.8%)",
+        "4,321",  # evictions
+        "98.8% (987,654 hits, 12,346 misses)",
+        "3.0 GiB",  # backing bytes read
+        "job resnet",
+        "40,000",
+        "10,240,000",
+        "9,999,999",
+        "importance kept_fraction  0.7",
+        "low=0.01235, high=1.5",
+        "uptime 3723.5 s, daemon pid 4242",
+    ]:
+        assert expected in table, f"{expected!r} missing from:\n{table}"
+    assert lines[0] == "dataset"
+    assert "cache (all tiers)" in lines and "backing store" in lines
+
+
+def test_format_table_aligns_values_within_a_section() -> None:
+    lines = format_table(realistic_stats()).splitlines()
+    start = lines.index("tier dram")
+    section = lines[start + 1 : start + 5]
+    columns = {
+        line.index(value)
+        for line, value in zip(section, ["2.0 GiB", "1.5 GiB", "987,654", "4,321"], strict=True)
+    }
+    assert len(columns) == 1
+
+
+def test_format_table_with_extra_tier_keys_and_no_jobs() -> None:
+    s = realistic_stats()
+    s["jobs"] = {}
+    s["tiers"].append(
+        {
+            "name": "nvram",
+            "capacity_bytes": 0,
+            "used_bytes": 0,
+            "items": 0,
+            "hits": 0,
+            "misses": 0,
+            "evictions": 0,
+            "hit_rate": 0.0,
+            "durability": "adr",
+            "recovered_items": 17,
+        }
+    )
+    table = format_table(s)
+    assert "tier nvram" in table and "durability" in table and "adr" in table
+    assert "recovered_items  17" in table
+    assert "job " not in table
