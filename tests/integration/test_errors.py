@@ -1,0 +1,158 @@
+"""Every failure a user can cause ends in one clear line, and the daemon stays up."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from loaderd.client import DaemonUnavailableError, LoaderdDataset, RemoteError
+from loaderd.client.connection import Connection
+from loaderd.client.errors import ErrorCode
+from loaderd.client.protocol import HEADER, MAGIC, MsgType, decode
+from loaderd.storage.store import sample_key
+from tests.helpers import Daemon
+
+pytestmark = pytest.mark.integration
+
+
+def loaderd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loaderd", "--log-level", "ERROR", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode != 0, proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("loaderd: error:")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_ingest_errors(tmp_path: Path) -> None:
+    one_line_error(
+        loaderd("ingest", str(tmp_path / "nope.parquet"), "--out", str(tmp_path / "db")),
+        "nope.parquet",
+    )
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    one_line_error(
+        loaderd("ingest", str(tmp_path / "x.csv"), "--out", str(tmp_path / "db")), "x.csv"
+    )
+    np.savez(tmp_path / "empty.npz", image=np.zeros((0, 3), np.uint8))
+    one_line_error(
+        loaderd("ingest", str(tmp_path / "empty.npz"), "--out", str(tmp_path / "db")), "empty"
+    )
+    assert not (tmp_path / "db").exists()
+
+
+def test_serve_refuses_a_directory_that_is_not_a_store(tmp_path: Path) -> None:
+    (tmp_path / "notastore").mkdir()
+    sock = f"ipc://{tmp_path}/s.sock"
+    one_line_error(
+        loaderd("serve", "--db", str(tmp_path / "notastore"), "--socket", sock),
+        "not a loaderd store",
+    )
+
+
+def test_second_daemon_on_a_live_socket_refuses(daemon: Daemon, tmp_path: Path) -> None:
+    proc = loaderd(
+        "serve",
+        "--db",
+        str(daemon.db),
+        "--socket",
+        daemon.address,
+        "--state-dir",
+        str(tmp_path / "other-state"),
+    )
+    one_line_error(proc, "already served by a live daemon", str(daemon.proc.pid))  # type: ignore[union-attr]
+    LoaderdDataset(daemon.address, job="still-up", batch_size=8).stats()  # the first one serves on
+
+
+def test_corrupt_record_names_the_sample_and_daemon_stays_up(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    import lmdb
+
+    db = tmp_path / "corrupt.db"
+    shutil.copytree(dataset[0], db)
+    env = lmdb.open(str(db), max_dbs=2)
+    samples = env.open_db(b"samples")
+    with env.begin(write=True, db=samples) as txn:
+        rec = bytearray(txn.get(sample_key(7)))
+        rec[-1] ^= 0xFF
+        txn.put(sample_key(7), bytes(rec))
+    env.close()
+    d = Daemon(db=db, state_dir=tmp_path / "state").start()
+    try:
+        ds = LoaderdDataset(d.address, job="c", batch_size=480)  # one batch holds sample 7
+        with pytest.raises(RemoteError, match="sample 7") as e:
+            list(ds)
+        assert e.value.code == ErrorCode.CORRUPT_RECORD
+        assert ds.stats()["dataset"]["samples"] == 480
+    finally:
+        d.close()
+
+
+def test_malformed_messages_get_error_replies_on_a_kept_connection(daemon: Daemon) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(daemon.address)
+    try:
+        good_header = HEADER.pack(MAGIC, 1, int(MsgType.PING), 0, 9)
+        for frames in (
+            [b"junk"],
+            [b"x" * HEADER.size, b"{}"],
+            [HEADER.pack(MAGIC, 99, 1, 0, 1), b"{}"],
+            [HEADER.pack(MAGIC, 1, 200, 0, 2), b"{}"],
+            [good_header, b"not json"],
+            [HEADER.pack(MAGIC, 1, int(MsgType.GET_BATCH), 0, 3), b'{"job": 5}'],
+            [HEADER.pack(MAGIC, 1, int(MsgType.PONG), 0, 4), b"{}"],
+        ):
+            sock.send_multipart(frames)
+            reply = decode(sock.recv_multipart())
+            assert reply.type == MsgType.ERROR, frames
+            assert reply.meta["code"] == ErrorCode.BAD_MESSAGE
+        sock.send_multipart([good_header, b"{}"])
+        assert decode(sock.recv_multipart()).type == MsgType.PONG
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_unknown_job_and_bad_rank(daemon: Daemon) -> None:
+    with Connection(daemon.address) as conn:
+        meta = {"job": "ghost", "rank": 0, "worker": 0, "phase": "train"}
+        with pytest.raises(RemoteError, match="unknown job 'ghost'") as e:
+            conn.request(MsgType.OPEN_PASS, meta)
+        assert e.value.code == ErrorCode.UNKNOWN_JOB
+    LoaderdDataset(daemon.address, job="r", batch_size=8, rank=0, world_size=4).stats()
+    next(iter(LoaderdDataset(daemon.address, job="r", batch_size=8, rank=0, world_size=4)))
+    with Connection(daemon.address) as conn:
+        meta = {"job": "r", "rank": 7, "worker": 0, "phase": "train"}
+        with pytest.raises(RemoteError, match="rank 7 out of range") as e:
+            conn.request(MsgType.OPEN_PASS, meta)
+        assert e.value.code == ErrorCode.BAD_RANK
+    with pytest.raises(ValueError, match="rank"):
+        LoaderdDataset(daemon.address, job="r", batch_size=8, rank=3, world_size=2)
+    with pytest.raises(RemoteError, match="JOB_CONFLICT"):
+        next(iter(LoaderdDataset(daemon.address, job="r", batch_size=16, rank=0, world_size=4)))
+
+
+def test_client_of_a_gone_daemon_times_out_naming_the_address(tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/nobody.sock"
+    ds = LoaderdDataset(address, job="j", batch_size=8, timeout_s=0.5)
+    with pytest.raises(DaemonUnavailableError, match=address):
+        next(iter(ds))
+    stats = loaderd("stats", "--socket", address, "--timeout", "0.5")
+    one_line_error(stats, address)
