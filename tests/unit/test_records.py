@@ -245,7 +245,7 @@ SMALL = Schema((Field("x", "float32", (3,)), Field("tag", "string")))
 SMALL_RECORD = RecordCodec(SMALL).encode({"x": [1, 2, 3], "tag": "abc"})
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     bit=st.integers(0, len(SMALL_RECORD) * 8 - 1),
     sample_id=st.integers(0, 2**63 - 1),
