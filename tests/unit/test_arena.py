@@ -476,3 +476,31 @@ def test_snapshot_too_large_is_a_clear_error(path: Path) -> None:
             a.write_snapshot("x" * 1000, 1, b"")
     with Arena(path, SMALL, FP) as a, pytest.raises(StoreFullError, match="at most 0 bytes"):
         a.write_snapshot("j", 1, b"x")
+
+
+class Crash(Exception):
+    pass
+
+
+def test_crash_before_the_commit_leaves_the_previous_state(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first flush (of the payload) comes before any commit word is stored."""
+    with Arena(path, SMALL, FP, snapshot_bytes=SNAP) as a:
+        a.put(1, b"one")
+        a.write_snapshot("j", 1, b"snap one")
+    a = Arena(path, SMALL, FP, snapshot_bytes=SNAP)
+
+    def crash(*args: object) -> None:
+        raise Crash
+
+    monkeypatch.setattr(arena_mod.dur, "flush_range", crash)
+    with pytest.raises(Crash):
+        a.put_many([(2, b"two"), (3, b"three")])
+    with pytest.raises(Crash):
+        a.write_snapshot("j", 2, b"snap two")
+    monkeypatch.undo()
+    a._release()  # die without closing
+    with Arena(path, SMALL, FP, snapshot_bytes=SNAP) as a:
+        assert sorted(a.ids().tolist()) == [1] and a.get(1) == b"one"
+        assert a.read_snapshot("j") == ("j", 1, b"snap one")
