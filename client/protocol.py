@@ -134,17 +134,21 @@ class FieldSpec:
     def from_json(cls, obj: Any) -> FieldSpec:
         """Parse a field sent by the daemon, checking every part."""
         try:
-            name, dtype, shape = obj["name"], obj["dtype"], tuple(int(d) for d in obj["shape"])
-        except (KeyError, TypeError, ValueError) as e:
+            name, dtype, shape = obj["name"], obj["dtype"], obj["shape"]
+        except (KeyError, TypeError) as e:
             raise ProtocolError(f"malformed field spec {obj!r}") from e
-        if not isinstance(name, str) or not isinstance(dtype, str):
+        if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(shape, list):
             raise ProtocolError(f"malformed field spec {obj!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise ProtocolError(f"malformed field spec {obj!r}: bad shape")
         if dtype not in ("binary", "string"):
             try:
-                np.dtype(dtype)
+                kind = np.dtype(dtype).kind
             except TypeError as e:
                 raise ProtocolError(f"field {name!r} has unknown dtype {dtype!r}") from e
-        return cls(name=name, dtype=dtype, shape=shape)
+            if kind not in "biuf":
+                raise ProtocolError(f"field {name!r} has a non-numeric dtype {dtype!r}")
+        return cls(name=name, dtype=dtype, shape=tuple(shape))
 
 
 @dataclass(slots=True)
@@ -203,7 +207,7 @@ def batch_frames(arrays: BatchArrays, schema: Sequence[FieldSpec]) -> list[Buffe
 
 def _raw(a: np.ndarray) -> memoryview:
     assert a.flags.c_contiguous, "payload arrays must be C-contiguous"
-    return a.data.cast("B")
+    return a.reshape(-1).data.cast("B")
 
 
 # --- decoding -------------------------------------------------------------------------------
@@ -236,7 +240,7 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(f"meta is {views[1].nbytes} bytes, limit {MAX_META_BYTES}")
     try:
         meta = json.loads(views[1].tobytes()) if views[1].nbytes else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ProtocolError(f"meta of {msg_type.name} is not JSON: {e}") from None
     if not isinstance(meta, dict):
         raise ProtocolError(f"meta of {msg_type.name} must be a JSON object")

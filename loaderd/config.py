@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loaderd.importance import ImportanceConfig
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?))?B?\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 
 
@@ -27,7 +27,7 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (expected e.g. 512MiB, 2GiB, 1048576)")
     number, unit, _ = m.groups()
-    return int(float(number) * (1024 ** _UNITS[unit.upper()]))
+    return int(float(number) * (1024 ** _UNITS[(unit or "").upper()]))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +56,22 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ShmConfig:
+    """Same-host delivery through a shared-memory ring (``loaderd.shm_delivery``)."""
+
+    enabled: bool = True
+    slots: int | None = None  # None: ``auto_slots``, within a share of /dev/shm
+    slot_bytes: int | None = None  # None: one batch of the first shm job's batch size
+    auto_slots: int = 32
+
+    def __post_init__(self) -> None:
+        if self.slots is not None and not 1 <= self.slots <= 65536:
+            raise ValueError(f"`shm_slots` must be in 1..65536, got {self.slots}")
+        if self.slot_bytes is not None and self.slot_bytes <= 0:
+            raise ValueError(f"`shm_slot_bytes` must be positive, got {self.slot_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DaemonConfig:
     """Everything ``loaderd serve`` needs; each part goes to the object that uses it."""
 
@@ -65,7 +81,11 @@ class DaemonConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     importance: ImportanceConfig = field(default_factory=ImportanceConfig)  # jobs' defaults
+    shm: ShmConfig = field(default_factory=ShmConfig)
     max_batch_size: int = 65536
+    # A consumer silent this long is gone and its batches go back to its rank (a local
+    # consumer whose process exited is noticed at once, see loaderd.consumers).
+    consumer_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.socket.startswith(("ipc://", "tcp://", "inproc://")):

@@ -35,7 +35,8 @@ class Assembler:
         self.tiers = tiers
         self.codec = RecordCodec(schema)
         layout = schema.layout
-        self._fixed = [
+        # (name, dtype, shape, offset in the record, bytes) of each fixed-shape field
+        self.fixed = [
             (
                 f.name,
                 np.dtype(f.dtype),
@@ -52,9 +53,9 @@ class Assembler:
         records = self.tiers.get_many(ids)
         n = len(records)
         columns: dict[str, Column] = {}
-        for name, dtype, shape, off, nbytes in self._fixed:
+        for name, dtype, shape, off, nbytes in self.fixed:
             out = np.empty((n, *shape), dtype)
-            flat = out.reshape(n, -1).view(np.uint8)
+            flat = out.reshape(n, int(np.prod(shape))).view(np.uint8)
             for i, rec in enumerate(records):
                 flat[i] = np.frombuffer(rec, np.uint8, nbytes, off)
             columns[name] = out
@@ -82,9 +83,13 @@ class Prefetcher:
     """
 
     def __init__(
-        self, assemble: Callable[[np.ndarray, np.ndarray], BatchArrays], workers: int
+        self,
+        assemble: Callable[[np.ndarray, np.ndarray], BatchArrays],
+        workers: int,
+        on_discard: Callable[[BatchArrays], None] | None = None,
     ) -> None:
         self._assemble = assemble
+        self._on_discard = on_discard  # gives back what a dropped batch holds (a shm slot)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-prefetch")
         self._futures: dict[Key, Future[BatchArrays]] = {}
         self._done: list[Key] = []
@@ -112,7 +117,13 @@ class Prefetcher:
     def drop(self, predicate: Callable[[Key], bool]) -> None:
         """Forget every key that matches (e.g. all batches of a finished pass)."""
         for key in [k for k in self._futures if predicate(k)]:
-            self._futures.pop(key).cancel()
+            fut = self._futures.pop(key)
+            if not fut.cancel() and self._on_discard is not None:
+                fut.add_done_callback(self._discard)  # runs now if it is done already
+
+    def _discard(self, fut: Future[BatchArrays]) -> None:
+        if self._on_discard is not None and not fut.cancelled() and fut.exception() is None:
+            self._on_discard(fut.result())
 
     def _announce(self, key: Key, _future: Future[BatchArrays]) -> None:
         with self._lock:

@@ -175,6 +175,8 @@ class RecordCodec:
                 arr = np.asarray(values[f.name], dtype=f.dtype)
             except KeyError:
                 raise ValueError(f"sample has no field {f.name!r}") from None
+            except OverflowError as e:
+                raise ValueError(f"field {f.name!r}: value out of range for {f.dtype}: {e}") from e
             if arr.shape != f.shape:
                 raise ValueError(f"field {f.name!r}: expected shape {f.shape}, got {arr.shape}")
             body[off : off + f.nbytes] = arr.tobytes()
@@ -197,10 +199,16 @@ class RecordCodec:
             CorruptRecordError: the checksum or the layout does not match.
         """
         body = verify(record, sample_id, where)
+        if body.nbytes < self.layout.fixed_bytes + 4 * len(self.layout.variable):
+            raise CorruptRecordError(sample_id, where, "record is shorter than its schema")
         out: dict[str, Any] = {}
         for f, off in self._fixed:
             out[f.name] = np.frombuffer(body, f.dtype, int(np.prod(f.shape)), off).reshape(f.shape)
-        for name, value in zip(self.layout.variable, self.variable_parts(body), strict=True):
+        try:
+            parts = self.variable_parts(body)
+        except ValueError as e:
+            raise CorruptRecordError(sample_id, where, str(e)) from None
+        for name, value in zip(self.layout.variable, parts, strict=True):
             is_str = self.schema.fields[self._index[name]].dtype == "string"
             out[name] = bytes(value).decode() if is_str else bytes(value)
         return out
@@ -210,13 +218,19 @@ class RecordCodec:
         return {f.name: i for i, f in enumerate(self.schema.fields)}
 
     def variable_parts(self, body: memoryview) -> list[memoryview]:
-        """The variable-length fields of a verified body, as views."""
+        """The variable-length fields of a verified body, as views.
+
+        Raises:
+            ValueError: the lengths run past the end of the body.
+        """
         pos = self.layout.fixed_bytes
         lengths = []
         for _ in self.layout.variable:
             (n,) = _VARLEN.unpack_from(body, pos)
             lengths.append(n)
             pos += _VARLEN.size
+        if pos + sum(lengths) != body.nbytes:
+            raise ValueError("variable-length fields do not fit the record")
         parts = []
         for n in lengths:
             parts.append(body[pos : pos + n])

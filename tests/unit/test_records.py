@@ -222,12 +222,6 @@ def test_codec_encode_refuses_bad_samples(sample: dict[str, Any], pattern: str) 
         codec.encode(sample)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="RecordCodec.encode (storage/records.py:175) lets np.asarray(value, dtype) raise "
-    "OverflowError (numpy 2) for an out-of-range int, though its contract is ValueError",
-)
 def test_codec_encode_out_of_range_value_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         RecordCodec(Schema((Field("a", "uint8"),))).encode({"a": 300})
@@ -282,23 +276,11 @@ def test_wrong_version_is_refused_even_with_a_good_checksum() -> None:
         verify(rec, 5, "t")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RecordCodec.decode (storage/records.py:199-206) trusts the layout once the checksum "
-    "passes: a sealed body shorter than the schema's fixed part raises numpy's ValueError, not "
-    "CorruptRecordError ('the checksum or the layout does not match')",
-)
 def test_layout_mismatch_with_valid_checksum_is_corrupt() -> None:
     with pytest.raises(CorruptRecordError):
         RecordCodec(SMALL).decode(seal(b"\0" * 4), 9, "t")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RecordCodec.variable_parts (storage/records.py:212-224) slices body[pos:pos+n] "
-    "without checking that n bytes remain, so a length prefix past the end silently yields a "
-    "short value instead of CorruptRecordError",
-)
 def test_variable_length_past_the_end_is_corrupt() -> None:
     codec = RecordCodec(Schema((Field("b", "binary"),)))
     with pytest.raises(CorruptRecordError):
