@@ -1,24 +1,13 @@
 """The NVRAM tier: a fixed-size mmap'ed file holding a checksummed ring log of sample records.
 
-File layout (little-endian; offsets in bytes)::
-
-    [0, 4096)                      header page: magic, version, arena uid, store fingerprint,
-                                   layout sizes, xxh3 of the header
-    [4096, 4096 + log_bytes)       the log: records at 64-byte aligned offsets, used as a ring
-    [snap_offset, file end)        two snapshot slots, written alternately (arena_snapshot.py)
-
-A record is a 64-byte header (magic, version, arena uid, sequence, sample id, payload length,
-xxh3 of the payload, xxh3 of the header), the payload, then an 8-byte commit word derived from
-the header checksum. The commit word is stored and flushed only after the payload is durable,
-so a torn write is never taken as whole.
-
-Recovery reads every valid header and replays the ring backwards in sequence order: writes
-are sequential, so everything written after a record lies between its end and the head. A
-record is alive when that sweep has not come round to it; alive records must also carry their
-commit word and payload checksum. What lies beyond the newest whole record is zeroed. Another
-store's fingerprint, another layout or format version, or a garbage header rebuilds the arena
-(with a warning): the file is truncated and a fresh random arena uid makes any stale record
-unrecognisable. The contract is "never serve wrong bytes; recover what is whole".
+The format is in ``arena_format.py``, the snapshot slots in ``arena_snapshot.py``, and the
+durability probe in ``durability.py``. Records are appended at the head of a ring; the payload
+is flushed before its commit word is stored and flushed, so a torn write is never taken as
+whole. Opening scans every intact header and keeps the records no later lap has overwritten
+whose commit word and payload checksum match; what lies beyond the newest whole record is
+zeroed. Another store's fingerprint, another layout or format version, or a garbage header
+rebuilds the arena with a warning: the file is truncated, and a fresh random arena uid makes
+any stale record unrecognisable. The contract: never serve wrong bytes; recover what is whole.
 """
 
 from __future__ import annotations
@@ -28,73 +17,43 @@ import errno
 import fcntl
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Final, NamedTuple
+from typing import Final
 
 import numpy as np
-import xxhash
 
 from loaderd.storage import durability as dur
+from loaderd.storage.arena_format import (
+    CHECKSUM,
+    HEADER_BYTES,
+    HEADER_PAGE,
+    REC_HEAD,
+    Layout,
+    Payload,
+    Rec,
+    commit_offset,
+    commit_word,
+    find_headers,
+    pack_record_header,
+    parse_record,
+    record_extent,
+    record_state,
+    unswept,
+    xxh,
+)
 from loaderd.storage.arena_snapshot import SnapshotRegion
 from loaderd.storage.errors import CorruptRecordError, StorageError, StoreFullError
 
+__all__ = ["HEADER_PAGE", "Arena", "record_extent"]
+
 logger = logging.getLogger(__name__)
 
-Payload = bytes | bytearray | memoryview
-
-FORMAT_VERSION: Final = 1
-HEADER_PAGE: Final = 4096
-ALIGN: Final = 64  # record alignment: one cache line, and a cheap vectorised header search
-
-_ARENA_MAGIC: Final = b"LDARENA\x00"
-# magic, version, flags, arena uid, fingerprint, file bytes, log offset, log bytes,
-# snapshot offset, snapshot slot bytes; the xxh3 of these bytes follows.
-_HEADER = struct.Struct("<8sIIQ16sQQQQQ")
-_CHECKSUM = struct.Struct("<Q")
-
-_REC_MAGIC: Final = 0x4344524C  # b"LRDC" read as a little-endian u32
-_REC_KIND_SAMPLE: Final = 1
-# magic, version, kind, reserved, arena uid, seq, sample id, length, payload xxh3; then the
-# header's own xxh3; the payload starts at the next cache line.
-_REC = struct.Struct("<IBBHQQQQQ")
-_REC_HEAD: Final = 64
-_COMMIT_SALT: Final = 0xC0EC0111DEADBEEF
 _MAX_SAMPLE_ID: Final = (1 << 63) - 1  # ids() is int64
 _ZERO_CHUNK: Final = 1 << 20
-_SCAN_CHUNK: Final = 64 << 20
-
-
-def _xxh(data: Payload) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def _commit_word(header_xxh: int) -> int:
-    # Never zero: a zeroed commit word is how a record is revoked (discard, corrupt).
-    return (header_xxh ^ _COMMIT_SALT) | 1
-
-
-def record_extent(length: int) -> int:
-    """Bytes a record with a ``length``-byte payload takes in the log (header, commit, pad)."""
-    return _align(_REC_HEAD + _align(length, 8) + 8, ALIGN)
-
-
-class _Rec(NamedTuple):
-    off: int  # absolute file offset
-    extent: int
-    seq: int
-    sample_id: int
-    length: int
-    payload_xxh: int
-    header_xxh: int
 
 
 class Arena:
@@ -129,27 +88,11 @@ class Arena:
             StoreFullError: The file system has no room for the file.
             StorageError: Another process holds the arena, or the file cannot be opened.
         """
-        if len(fingerprint) != 16:
-            raise ValueError(f"`fingerprint` must be 16 bytes, got {len(fingerprint)}")
-        if snapshot_bytes < 0:
-            raise ValueError(f"`snapshot_bytes` must be >= 0, got {snapshot_bytes}")
-        file_bytes = capacity_bytes // HEADER_PAGE * HEADER_PAGE
-        slot_bytes = snapshot_bytes // 2 // HEADER_PAGE * HEADER_PAGE
-        if snapshot_bytes and slot_bytes < 2 * HEADER_PAGE:
-            raise ValueError(f"`snapshot_bytes` must be 0 or >= 16384, got {snapshot_bytes}")
-        log_bytes = file_bytes - HEADER_PAGE - 2 * slot_bytes
-        if log_bytes < HEADER_PAGE:
-            raise ValueError(
-                f"`capacity_bytes`={capacity_bytes} leaves no room for the log "
-                f"(header {HEADER_PAGE} + snapshots {2 * slot_bytes} bytes)"
-            )
         self.path = Path(path)
-        self._fingerprint = bytes(fingerprint)
-        self._file_bytes = file_bytes
-        self._log_off = HEADER_PAGE
-        self._log_bytes = log_bytes
-        self._log_end = HEADER_PAGE + log_bytes
-        self._slot_bytes = slot_bytes
+        self._layout = layout = Layout.plan(capacity_bytes, snapshot_bytes, fingerprint)
+        self._log_off = layout.log_off
+        self._log_bytes = layout.log_bytes
+        self._log_end = layout.log_end
         self._lock = threading.Lock()
         self._closed = False
         self._index: dict[int, tuple[int, int]] = {}  # sample id -> (offset, seq)
@@ -180,11 +123,11 @@ class Arena:
                 raise StorageError(f"arena {self.path} is in use by another process") from e
             self.durability = dur.probe_durability(self.path)
             self._uid = self._open_or_rebuild()
-            self._mm = dur.map_file(self._fd, file_bytes, self.durability)
+            self._mm = dur.map_file(self._fd, layout.file_bytes, self.durability)
             self.snapshots = SnapshotRegion(
                 self._mm,
                 offset=self._log_end,
-                slot_bytes=slot_bytes,
+                slot_bytes=layout.slot_bytes,
                 uid=self._uid,
                 durability=self.durability,
                 where=str(self.path),
@@ -204,136 +147,54 @@ class Arena:
 
     # ---- opening ---------------------------------------------------------------------------
 
-    def _header_bytes(self, uid: int) -> bytes:
-        fields = _HEADER.pack(
-            _ARENA_MAGIC,
-            FORMAT_VERSION,
-            0,
-            uid,
-            self._fingerprint,
-            self._file_bytes,
-            self._log_off,
-            self._log_bytes,
-            self._log_end,
-            self._slot_bytes,
-        )
-        return fields + _CHECKSUM.pack(_xxh(fields))
-
-    def _why_not_valid(self) -> str | None:
-        size = os.fstat(self._fd).st_size
-        if size != self._file_bytes:
-            return f"its size is {size} bytes, expected {self._file_bytes}"
-        raw = os.pread(self._fd, _HEADER.size + _CHECKSUM.size, 0)
-        fields = raw[: _HEADER.size]
-        (magic, version, _flags, _uid, fingerprint, *layout) = _HEADER.unpack(fields)
-        if magic != _ARENA_MAGIC:
-            return "its header is not an arena header"
-        if _CHECKSUM.unpack_from(raw, _HEADER.size)[0] != _xxh(fields):
-            return "its header checksum does not match"
-        if version != FORMAT_VERSION:
-            return f"it has format version {version}, expected {FORMAT_VERSION}"
-        if fingerprint != self._fingerprint:
-            return f"it belongs to another store (fingerprint {fingerprint.hex()})"
-        expected = [self._file_bytes, self._log_off, self._log_bytes, self._log_end]
-        if layout != [*expected, self._slot_bytes]:
-            return "its layout (log or snapshot sizes) differs"
-        return None
-
     def _open_or_rebuild(self) -> int:
-        fresh = os.fstat(self._fd).st_size == 0
-        why = None if fresh else self._why_not_valid()
-        if not fresh and why is None:
+        size = os.fstat(self._fd).st_size
+        uid, why = self._layout.check(os.pread(self._fd, HEADER_BYTES, 0), size)
+        if size and why is None:
             self._reserve_space()  # fill holes, so a full disk cannot SIGBUS a later store
-            raw = os.pread(self._fd, _HEADER.size, 0)
-            uid: int = _HEADER.unpack(raw)[3]
             return uid
-        if why is not None:
+        if size:
             logger.warning("rebuilding arena %s: %s", self.path, why)
         self.rebuilt = True
         # Truncating drops every old byte at once; a fresh uid makes stale records unreadable
         # even where a file system keeps the blocks.
         uid = int.from_bytes(os.urandom(8), "little")
         os.ftruncate(self._fd, 0)
-        os.ftruncate(self._fd, self._file_bytes)
+        os.ftruncate(self._fd, self._layout.file_bytes)
         self._reserve_space()
-        os.pwrite(self._fd, self._header_bytes(uid), 0)
+        os.pwrite(self._fd, self._layout.header(uid), 0)
         os.fsync(self._fd)
         return uid
 
     def _reserve_space(self) -> None:
         try:
-            os.posix_fallocate(self._fd, 0, self._file_bytes)
+            os.posix_fallocate(self._fd, 0, self._layout.file_bytes)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFullError(
-                    f"no room for the {self._file_bytes}-byte arena {self.path}: {e.strerror}"
+                    f"no room for the {self._layout.file_bytes}-byte arena {self.path}: "
+                    f"{e.strerror}"
                 ) from e
             logger.debug("cannot preallocate arena %s: %s", self.path, e)
 
     # ---- recovery --------------------------------------------------------------------------
 
-    def _parse(self, off: int) -> _Rec | None:
-        """The record header at ``off`` if it is one of ours and intact, else None."""
-        magic, version, kind, _, uid, seq, sample_id, length, pxh = _REC.unpack_from(self._mm, off)
-        if magic != _REC_MAGIC or version != FORMAT_VERSION or kind != _REC_KIND_SAMPLE:
-            return None
-        if uid != self._uid:
-            return None
-        hxh = _CHECKSUM.unpack_from(self._mm, off + _REC.size)[0]
-        if hxh != _xxh(self._mm[off : off + _REC.size]):
-            return None
-        extent = record_extent(length)
-        if off + extent > self._log_end:
-            return None
-        return _Rec(off, extent, seq, sample_id, length, pxh, hxh)
-
-    def _whole(self, rec: _Rec) -> bool | None:
-        """True: commit word and payload checksum match; None: never committed, or revoked."""
-        commit_at = rec.off + _REC_HEAD + _align(rec.length, 8)
-        commit = _CHECKSUM.unpack_from(self._mm, commit_at)[0]
-        if commit != _commit_word(rec.header_xxh):
-            return None if commit == 0 else False
-        start = rec.off + _REC_HEAD
-        return _xxh(self._mm[start : start + rec.length]) == rec.payload_xxh
-
-    def _candidates(self) -> list[int]:
-        """Offsets in the log where a record magic sits on a record boundary."""
-        found: list[int] = []
-        for lo in range(self._log_off, self._log_end, _SCAN_CHUNK):
-            n = min(_SCAN_CHUNK, self._log_end - lo)
-            words = np.frombuffer(self._mm, dtype="<u4", count=n // 4, offset=lo)
-            hits = np.flatnonzero(words[:: ALIGN // 4] == _REC_MAGIC)
-            del words  # release the export, or the mmap cannot be closed
-            found.extend((hits * ALIGN + lo).tolist())
-        return found
+    def _parse(self, off: int) -> Rec | None:
+        return parse_record(self._mm, off, self._uid, self._log_end)
 
     def _recover(self) -> None:
-        recs = [r for off in self._candidates() if (r := self._parse(off)) is not None]
-        recs.sort(key=lambda r: r.seq, reverse=True)
-        size = self._log_bytes
-        alive: list[_Rec] = []
-        swept = 0  # bytes of ring written after the record under consideration
-        sweep_start = 0  # relative offset where that sweep begins
-        for i, rec in enumerate(recs):
-            rel = rec.off - self._log_off
-            if i > 0:
-                gap = (sweep_start - (rel + rec.extent)) % size
-                if gap + rec.extent + swept > size:
-                    continue  # overwritten by a later lap of the ring
-                swept += gap
-            swept += rec.extent
-            sweep_start = rel
-            whole = self._whole(rec)
-            if whole:
+        recs = find_headers(self._mm, self._log_off, self._log_end, self._uid)
+        alive: list[Rec] = []
+        for rec in unswept(recs, self._log_off, self._log_bytes):
+            state = record_state(self._mm, rec)
+            if state:
                 alive.append(rec)
-            elif whole is not None:
+            elif state is not None:
                 self.recovery_dropped += 1
-            if swept >= size:
-                break
         self._seq = recs[0].seq + 1 if recs else 1
         self._head = alive[0].off + alive[0].extent if alive else self._log_off
         head_rel = self._head - self._log_off
-        alive.sort(key=lambda r: (r.off - self._log_off - head_rel) % size)
+        alive.sort(key=lambda r: (r.off - self._log_off - head_rel) % self._log_bytes)
         for rec in alive:
             self._ring.append((rec.off, rec.extent, rec.sample_id, rec.seq))
             self._used += rec.extent
@@ -428,7 +289,7 @@ class Arena:
         evicted: list[int] = []
         with self._lock:
             self._check_open()
-            written: list[_Rec] = []
+            written: list[Rec] = []
             batch_bytes = 0
             self._batch_seq = self._seq
             try:
@@ -447,7 +308,7 @@ class Arena:
                 self._batch_seq = self._seq
         return evicted
 
-    def _write(self, sample_id: int, payload: Payload, evict: bool, evicted: list[int]) -> _Rec:
+    def _write(self, sample_id: int, payload: Payload, evict: bool, evicted: list[int]) -> Rec:
         if not 0 <= sample_id <= _MAX_SAMPLE_ID:
             raise ValueError(f"`sample_id` must be in [0, 2**63), got {sample_id}")
         length = memoryview(payload).nbytes
@@ -460,28 +321,15 @@ class Arena:
         off = self._place(extent, evict, evicted)
         seq = self._seq
         self._seq += 1
-        fields = _REC.pack(
-            _REC_MAGIC,
-            FORMAT_VERSION,
-            _REC_KIND_SAMPLE,
-            0,
-            self._uid,
-            seq,
-            sample_id,
-            length,
-            _xxh(payload),
-        )
-        hxh = _xxh(fields)
-        mm = self._mm
-        mm[off : off + _REC.size] = fields
-        _CHECKSUM.pack_into(mm, off + _REC.size, hxh)
-        mm[off + _REC_HEAD : off + _REC_HEAD + length] = payload
+        header, hxh = pack_record_header(self._uid, seq, sample_id, payload)
+        self._mm[off : off + len(header)] = header
+        self._mm[off + REC_HEAD : off + REC_HEAD + length] = payload
         self._head = off + extent
         self._ring.append((off, extent, sample_id, seq))
         self._used += extent
-        return _Rec(off, extent, seq, sample_id, length, 0, hxh)
+        return Rec(off, extent, seq, sample_id, length, 0, hxh)
 
-    def _flush_records(self, recs: list[_Rec]) -> None:
+    def _flush_records(self, recs: list[Rec]) -> None:
         runs: list[list[int]] = []
         for rec in sorted(recs):
             if runs and runs[-1][1] == rec.off:
@@ -491,13 +339,13 @@ class Arena:
         for lo, hi in runs:
             dur.flush_range(self._mm, lo, hi, self.durability)
 
-    def _commit(self, recs: list[_Rec]) -> None:
+    def _commit(self, recs: list[Rec]) -> None:
         if not recs:
             return
         self._flush_records(recs)  # payloads first: a commit word must never precede them
         for rec in recs:
-            commit_at = rec.off + _REC_HEAD + _align(rec.length, 8)
-            _CHECKSUM.pack_into(self._mm, commit_at, _commit_word(rec.header_xxh))
+            commit_at = commit_offset(rec.off, rec.length)
+            CHECKSUM.pack_into(self._mm, commit_at, commit_word(rec.header_xxh))
             old = self._index.get(rec.sample_id)
             self._index[rec.sample_id] = (rec.off, rec.seq)
             if old is not None and (prev := self._parse(old[0])) is not None:
@@ -508,8 +356,8 @@ class Arena:
 
     def _revoke(self, off: int, length: int) -> None:
         """Zero a record's commit word so that recovery will not bring it back."""
-        commit_at = off + _REC_HEAD + _align(length, 8)
-        _CHECKSUM.pack_into(self._mm, commit_at, 0)
+        commit_at = commit_offset(off, length)
+        CHECKSUM.pack_into(self._mm, commit_at, 0)
         self._pending.add(commit_at)
 
     def _flush_pending(self) -> None:
@@ -538,11 +386,10 @@ class Arena:
             off, seq = loc
             rec = self._parse(off)
             if rec is not None and rec.seq == seq and rec.sample_id == sample_id:
-                start = off + _REC_HEAD
+                start = off + REC_HEAD
                 data = self._mm[start : start + rec.length]
-                commit_at = start + _align(rec.length, 8)
-                commit = _CHECKSUM.unpack_from(self._mm, commit_at)[0]
-                if commit == _commit_word(rec.header_xxh) and _xxh(data) == rec.payload_xxh:
+                commit = CHECKSUM.unpack_from(self._mm, commit_offset(off, rec.length))[0]
+                if commit == commit_word(rec.header_xxh) and xxh(data) == rec.payload_xxh:
                     self.hits += 1
                     return data
             del self._index[sample_id]
@@ -616,7 +463,7 @@ class Arena:
                 "recovered_items": self.recovered_items,
                 "recovery_dropped": self.recovery_dropped,
                 "rebuilt": self.rebuilt,
-                "file_bytes": self._file_bytes,
+                "file_bytes": self._layout.file_bytes,
             }
         out["snapshot"] = None if self._closed else self.snapshots.newest()
         return out

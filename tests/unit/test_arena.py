@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loaderd.storage import arena as arena_mod
+from loaderd.storage import arena_format
 from loaderd.storage.arena import HEADER_PAGE, Arena, record_extent
 from loaderd.storage.arena_snapshot import SLOT_HEAD
 from loaderd.storage.durability import filesystem_type, probe_durability
@@ -361,13 +362,13 @@ def test_foreign_fingerprint_is_rebuilt(path: Path, caplog: pytest.LogCaptureFix
 def test_other_version_is_rebuilt(path: Path, caplog: pytest.LogCaptureFixture) -> None:
     fill(path, 5)
     with open(path, "r+b") as f:
-        raw = bytearray(f.read(arena_mod._HEADER.size))
-        struct.pack_into("<I", raw, 8, arena_mod.FORMAT_VERSION + 1)
+        raw = bytearray(f.read(arena_format._HEADER.size))
+        struct.pack_into("<I", raw, 8, arena_format.FORMAT_VERSION + 1)
         f.seek(0)
         f.write(raw + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(raw))))
     with caplog.at_level(logging.WARNING), Arena(path, SMALL, FP) as a:
         assert a.rebuilt and len(a) == 0
-    assert f"format version {arena_mod.FORMAT_VERSION + 1}" in caplog.text
+    assert f"format version {arena_format.FORMAT_VERSION + 1}" in caplog.text
 
 
 @pytest.mark.parametrize("garbage", [b"\x00" * 4096, b"LDARENA\x00" + b"\x01" * 100, None])
