@@ -482,7 +482,6 @@ class Arena:
             StoreFullError: The payload is larger than a snapshot slot.
             ValueError: The job name is too long.
         """
-        self._check_open()
         self.snapshots.write(job, step, payload)
 
     def read_snapshot(self, job: str | None = None) -> tuple[str, int, bytes] | None:
@@ -494,7 +493,6 @@ class Arena:
         Returns:
             ``(job, step, payload)``, or None when there is no whole snapshot.
         """
-        self._check_open()
         return self.snapshots.read(job)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -505,6 +503,7 @@ class Arena:
             if self._closed:
                 return
             self._closed = True
+            self.snapshots.close()
             self._flush_pending()
             self._release()
 

@@ -19,7 +19,7 @@ from typing import Final, NamedTuple
 import xxhash
 
 from loaderd.storage import durability as dur
-from loaderd.storage.errors import StoreFullError
+from loaderd.storage.errors import StorageError, StoreFullError
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class SnapshotRegion:
         self._where = where
         self._slots: list[_Slot | None] = []
         self._seq = 1
+        self._closed = False
         if slot_bytes:
             for i in range(2):
                 seq, slot = self._parse(i)
@@ -127,6 +128,14 @@ class SnapshotRegion:
         except UnicodeDecodeError:
             return seq, None
         return seq, _Slot(seq, job, step, length, pxh)
+
+    def close(self) -> None:
+        """Refuse further reads and writes; the caller holds ``lock`` and unmaps afterwards."""
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"arena {self._where} is closed")
 
     def _live(self) -> list[tuple[int, int, _Slot]]:
         """``(seq, slot index, slot)`` of the committed slots, newest first."""
@@ -165,6 +174,7 @@ class SnapshotRegion:
                 "snapshot_bytes)"
             )
         with self.lock:
+            self._check_open()
             i = self._target(job)
             old = self._slots[i]
             if old is not None and old.job != job:
@@ -207,6 +217,7 @@ class SnapshotRegion:
             ``(job, step, payload)``, or None when no whole snapshot exists.
         """
         with self.lock:
+            self._check_open()
             for _, i, slot in self._live():
                 if job is not None and slot.job != job:
                     continue

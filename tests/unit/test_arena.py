@@ -7,6 +7,7 @@ import random
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from loaderd.storage.errors import StorageError, StoreFullError
 
 FP = bytes(range(16))
 SMALL = 256 << 10  # 256 KiB file: fast to open, quick to wrap
+SNAP = 64 << 10  # two 32 KiB snapshot slots
 _example = itertools.count()
 HYP = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -146,6 +148,41 @@ def test_close_twice_use_after_close_and_second_opener(path: Path) -> None:
     with pytest.raises(StorageError, match="closed"):
         a.put(1, b"x")
     Arena(path, SMALL, FP).close()  # the lock went with the first close
+
+
+def test_threads_share_an_arena(path: Path) -> None:
+    def make(sid: int, i: int) -> bytes:
+        return i.to_bytes(8, "little") + payload(sid, i, size=100 + i * 7)
+
+    def check(sid: int, got: bytes | None) -> None:
+        # another thread may have replaced or evicted it, but never with wrong bytes
+        assert got is None or got == make(sid, int.from_bytes(got[:8], "little"))
+
+    errors: list[BaseException] = []
+    with Arena(path, SMALL, FP, snapshot_bytes=SNAP) as a:
+
+        def work(t: int) -> None:
+            try:
+                for i in range(150):
+                    sid = (t * 1000 + i) % 97
+                    a.put(sid, make(sid, i))
+                    check(sid, a.get(sid))
+                    if i % 50 == 0:
+                        a.write_snapshot(f"t{t}", i, make(t, i))
+                        assert a.read_snapshot() is not None
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=10)
+        assert not errors and not any(th.is_alive() for th in threads)
+        for sid in a.ids().tolist():
+            got = a.get(sid)
+            assert got is not None
+            check(sid, got)
 
 
 def test_bad_arguments(path: Path) -> None:
@@ -414,8 +451,6 @@ def test_tmp_is_not_pmem(tmp_path: Path) -> None:
 
 
 # ---- snapshots -----------------------------------------------------------------------------
-
-SNAP = 64 << 10  # two 32 KiB slots
 
 
 def slot_commit_offset(a: Arena, slot: int, length: int) -> int:
