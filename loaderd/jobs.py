@@ -209,14 +209,24 @@ class Job:
         return cur.epoch + 1
 
     def _check_rescored(self, epoch: int) -> None:
-        """Plan a selecting epoch only after every rank that re-scores it has finished."""
+        """Plan a selecting epoch only after every rank has re-scored it, if any rank does.
+
+        Waiting for all ranks, not only for those already re-scoring, keeps the plan a function
+        of (seed, epoch, statistics): otherwise the first rank to finish its share would rank
+        the samples before a slower rank's re-scores arrived, and the plan would depend on timing.
+        """
         if epoch in self._selections or not len(self.engine.rescore_ids(epoch)):
             return
-        rescoring = [
-            p for p in self.passes if p is not None and (p.epoch, p.phase) == (epoch, "rescore")
-        ]
-        if any(not p.complete for p in rescoring):
-            raise NotReady(f"epoch {epoch} waits for {len(rescoring)} ranks to finish re-scoring")
+        if self.dir is not None and (self.dir / f"selection-{epoch}.npz").exists():
+            return  # planned before a restart
+        at_epoch = [p for p in self.passes if p is not None and p.epoch == epoch]
+        if not any(p.phase == "rescore" for p in at_epoch):
+            return  # nobody re-scores this epoch: the latest losses stand
+        done = sum(1 for p in at_epoch if p.phase == "train" or p.complete)
+        if done < self.spec.world_size:
+            raise NotReady(
+                f"epoch {epoch} waits for {self.spec.world_size - done} ranks to re-score it"
+            )
 
     def get_pass(self, rank: int, epoch: int, phase: str) -> PassState | None:
         """The rank's current pass if it is (epoch, phase); None for a stale request."""
