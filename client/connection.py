@@ -59,6 +59,10 @@ class Connection:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             sock.setsockopt(zmq.RCVHWM, 0)
+            # ZMTP heartbeats: a daemon that stops answering drops the connection, and the
+            # next request goes to whichever daemon binds the address again.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
             sock.connect(self.address)
             self._sock = sock
         return self._sock

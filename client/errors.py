@@ -18,6 +18,7 @@ class ErrorCode(IntEnum):
     CORRUPT_RECORD = 8  # a stored record failed its checksum
     NOT_FOUND = 9  # e.g. no snapshot stored yet
     STORAGE = 10  # a tier or the store failed (full disk, I/O error)
+    UNKNOWN_PASS = 11  # a request for a pass the daemon does not have (it restarted): reopen it
     INTERNAL = 15  # a bug in the daemon; it logged the traceback and kept serving
 
 

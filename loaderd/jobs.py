@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from loaderd import crashpoints
 from loaderd.client.errors import ErrorCode
 from loaderd.importance import ImportanceConfig, ImportanceEngine
 from loaderd.journal import FeedbackJournal, read_json, write_atomic, write_json_atomic
@@ -33,6 +34,15 @@ class JobError(ValueError):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_ARGUMENT) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A consumer continuing a pass after a reconnect, or a trainer after a checkpoint."""
+
+    epoch: int
+    delivered: list[int]  # batch indices its trainer already has
+    rewind: bool = False  # the daemon's cursor goes back to exactly ``delivered``
 
 
 class NotReady(Exception):  # a state, not a failure: the caller retries later
@@ -72,12 +82,18 @@ class PassState:
 
     @classmethod
     def start(
-        cls, epoch: int, phase: str, plan: RankPlan, acked: set[int] | None = None
+        cls,
+        epoch: int,
+        phase: str,
+        plan: RankPlan,
+        acked: set[int] | None = None,
+        inflight: dict[int, int] | None = None,
     ) -> PassState:
-        """A pass with every batch not in ``acked`` waiting to be handed out."""
+        """A pass with every batch not in ``acked`` or ``inflight`` waiting to be handed out."""
         acked = acked or set()
-        queue = deque(i for i in range(plan.num_batches) if i not in acked)
-        return cls(epoch, phase, plan, queue, {}, set(acked))
+        inflight = {i: w for i, w in (inflight or {}).items() if i not in acked}
+        queue = deque(i for i in range(plan.num_batches) if i not in acked and i not in inflight)
+        return cls(epoch, phase, plan, queue, inflight, set(acked))
 
     @property
     def complete(self) -> bool:
@@ -93,12 +109,24 @@ class PassState:
         return index
 
     def ack(self, indices: list[int]) -> int:
-        """Mark batches delivered; returns how many were new (duplicates are ignored)."""
+        """Mark batches delivered; returns how many were new (duplicates are ignored).
+
+        A batch still queued may be acknowledged too: its consumer had it before a daemon
+        restart or before it was declared gone, and says so when it comes back.
+        """
         new = 0
+        unqueue: set[int] = set()
         for i in indices:
             if self.inflight.pop(i, None) is not None:
                 self.acked.add(i)
                 new += 1
+            elif i < self.plan.num_batches and i not in self.acked:
+                unqueue.add(i)
+        if unqueue:
+            unqueue &= set(self.queue)
+            self.queue = deque(i for i in self.queue if i not in unqueue)
+            self.acked |= unqueue
+            new += len(unqueue)
         return new
 
     def requeue(self, worker: int) -> int:
@@ -165,8 +193,20 @@ class Job:
                 ErrorCode.BAD_RANK,
             )
 
-    def open_pass(self, rank: int, worker: int, phase: str) -> PassState:
+    def open_pass(
+        self,
+        rank: int,
+        worker: int,
+        phase: str,
+        resume: Resume | None = None,
+    ) -> PassState:
         """Start or resume the rank's pass of ``phase``; the worker's lost batches go back.
+
+        ``resume`` comes from a consumer that reconnects in the middle of a pass: the batch
+        indices it already handed to its trainer count as acknowledged, and a pass of that
+        epoch that is complete by now stays open (it will answer END) rather than starting
+        the next one under the consumer's feet. With ``rewind`` (a trainer restored from a
+        checkpoint) the rank's cursor is set back to exactly what the checkpoint delivered.
 
         Raises:
             JobError: the phase cannot follow the rank's current pass.
@@ -176,9 +216,38 @@ class Job:
         if phase not in PHASES:
             raise JobError(f"unknown phase {phase!r}, expected one of {PHASES}")
         cur = self.passes[rank]
-        epoch = self._next_epoch(cur, phase)
+        delivered: list[int] = []
+        if resume is not None and resume.rewind:
+            if phase == "train":
+                self._check_rescored(resume.epoch)
+            plan = self._plan(resume.epoch, phase)[rank]
+            state = PassState.start(resume.epoch, phase, plan, set(resume.delivered))
+            self.passes[rank] = state
+            self._dirty = True
+            logger.info(
+                "job %s rank %d: %s pass of epoch %d rewound to a checkpoint (%d batches done)",
+                self.spec.name,
+                rank,
+                phase,
+                resume.epoch,
+                len(state.acked),
+            )
+            return state
+        if resume is not None:
+            resume_epoch, delivered = resume.epoch, resume.delivered
+            if cur is not None and (cur.epoch, cur.phase) == (resume_epoch, phase):
+                epoch = resume_epoch
+            else:
+                epoch = self._next_epoch(cur, phase)
+                if epoch != resume_epoch:
+                    delivered = []  # another pass by now: the indices are not of it
+        else:
+            epoch = self._next_epoch(cur, phase)
         if cur is not None and (cur.epoch, cur.phase) == (epoch, phase):
-            cur.requeue(worker)  # this worker starts over: what it held and never acked is lost
+            if delivered:  # a consumer back after a restart: what it already had is done
+                self.ack(cur, delivered)
+            if cur.requeue(worker):  # this worker starts over: what it held and never acked
+                self._dirty = True
             return cur
         if phase == "train":
             self._check_rescored(epoch)
@@ -186,6 +255,9 @@ class Job:
         state = PassState.start(epoch, phase, plan)
         self.passes[rank] = state
         self._dirty = True
+        crashpoints.hit("open-pass")
+        if delivered:  # the daemon lost this pass's start: the consumer remembers it
+            self.ack(state, delivered)
         logger.info(
             "job %s rank %d: %s pass of epoch %d (%d batches)",
             self.spec.name,
@@ -229,10 +301,21 @@ class Job:
             )
 
     def get_pass(self, rank: int, epoch: int, phase: str) -> PassState | None:
-        """The rank's current pass if it is (epoch, phase); None for a stale request."""
+        """The rank's current pass if it is (epoch, phase); None for a stale request.
+
+        Raises:
+            JobError: UNKNOWN_PASS, the pass is later than any this daemon knows of the rank
+                (it restarted and lost the pass's start): the consumer opens it again.
+        """
         self.check_rank(rank)
         cur = self.passes[rank]
-        if cur is None or (cur.epoch, cur.phase) != (epoch, phase):
+        if cur is None or _order(epoch, phase) > _order(cur.epoch, cur.phase):
+            raise JobError(
+                f"rank {rank} of job {self.spec.name!r} has no {phase} pass of epoch {epoch}: "
+                "open it again",
+                ErrorCode.UNKNOWN_PASS,
+            )
+        if (cur.epoch, cur.phase) != (epoch, phase):
             return None
         return cur
 
@@ -247,7 +330,17 @@ class Job:
         self.served_epoch[ids] = state.epoch
         self.batches_served += 1
         self.samples_served += len(ids)
+        self._dirty = True
+        crashpoints.hit("assign")
         return index, ids, weights
+
+    def requeue(self, rank: int, worker: int) -> int:
+        """Put a gone consumer's unacknowledged batches back in its rank's queue."""
+        cur = self.passes[rank] if 0 <= rank < self.spec.world_size else None
+        n = cur.requeue(worker) if cur is not None else 0
+        if n:
+            self._dirty = True
+        return n
 
     def ack(self, state: PassState, indices: list[int]) -> None:
         """Record acknowledgements; duplicates are counted, not applied twice."""
@@ -255,6 +348,7 @@ class Job:
         self.duplicate_acks += len(indices) - new
         if new:
             self._dirty = True
+            crashpoints.hit("ack")
 
     def _plan(self, epoch: int, phase: str) -> list[RankPlan]:
         key = (epoch, phase)
@@ -320,6 +414,7 @@ class Job:
             self.engine.record(sel_ids, sel_losses, int(e), kind)
             if self.journal is not None:
                 self.journal.append(int(e), kind, sel_ids, sel_losses)
+                crashpoints.hit("journal-append")
 
     # --- state --------------------------------------------------------------------------------
 
@@ -349,11 +444,21 @@ class Job:
             "importance": self.engine.stats(),
         }
 
-    def save(self, force: bool = False) -> None:
-        """Persist the spec, counters and every rank's cursor (atomically), and sync feedback."""
+    @property
+    def dirty(self) -> bool:
+        """Whether a cursor changed since the last ``save``."""
+        return self._dirty
+
+    def save(self, force: bool = False, sync: bool = True) -> None:
+        """Persist the spec, counters and every rank's cursor (atomically), and sync feedback.
+
+        With ``sync=False`` the file is replaced without fsync (and the journal is left alone):
+        that survives a crash of the daemon, which is what the per-turn cursor commit needs,
+        though not a crash of the machine, which the fsynced save on the tick covers.
+        """
         if self.dir is None:
             return
-        if self.journal is not None:
+        if sync and self.journal is not None:
             self.journal.sync()
         if not (self._dirty or force):
             return
@@ -368,10 +473,16 @@ class Job:
                 "ranks": [
                     None
                     if p is None
-                    else {"epoch": p.epoch, "phase": p.phase, "acked": sorted(p.acked)}
+                    else {
+                        "epoch": p.epoch,
+                        "phase": p.phase,
+                        "acked": sorted(p.acked),
+                        "inflight": [[i, w] for i, w in sorted(p.inflight.items())],
+                    }
                     for p in self.passes
                 ],
             },
+            sync=sync,
         )
         self._dirty = False
 
@@ -415,8 +526,9 @@ class Job:
         for rank, r in enumerate(saved.get("ranks", [])[: self.spec.world_size]):
             if r is not None:
                 plan = self._plan(int(r["epoch"]), r["phase"])[rank]
+                inflight = {int(i): int(w) for i, w in r.get("inflight", [])}
                 self.passes[rank] = PassState.start(
-                    int(r["epoch"]), r["phase"], plan, set(r["acked"])
+                    int(r["epoch"]), r["phase"], plan, set(r["acked"]), inflight
                 )
         logger.info(
             "job %s: restored at epoch %d (%d feedback samples replayed)",
@@ -431,3 +543,8 @@ class Job:
             self.save(force=True)
             self.save_engine()
             self.journal.close()
+
+
+def _order(epoch: int, phase: str) -> tuple[int, int]:
+    """Passes in the order a rank walks them: re-score of an epoch, then its training."""
+    return epoch, 0 if phase == "rescore" else 1

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from loaderd import crashpoints
+
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"LDFJ"
@@ -109,14 +111,22 @@ class FeedbackJournal:
                 f.truncate(pos)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so a crash leaves the old or the new file, never a mix."""
+def write_atomic(path: Path, data: bytes, sync: bool = True) -> None:
+    """Replace ``path`` with ``data`` so a crash leaves the old or the new file, never a mix.
+
+    ``sync=False`` skips the fsyncs: the replacement then survives a crash of this process
+    (the page cache keeps it) but not a crash of the machine.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    crashpoints.hit("replace")
     os.replace(tmp, path)
+    if not sync:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -124,9 +134,9 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, sync: bool = True) -> None:
     """``write_atomic`` for a JSON object."""
-    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode(), sync)
 
 
 def read_json(path: Path) -> Any:

@@ -1,0 +1,85 @@
+"""What a consumer remembers of its pass, so it can continue after the daemon restarts.
+
+The cursor of a pass is the set of batch indices this consumer has handed to its trainer.
+After a reconnect it is sent with OPEN_PASS (``resume``): the daemon counts those batches as
+acknowledged, even if their acknowledgements never reached it, and sends the rest. Batches
+that arrive twice anyway (delivery on the wire is at-least-once) are dropped here by
+(epoch, batch index) and counted. ``state_dict`` saves the same cursor in a trainer's
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loaderd.client.errors import DaemonUnavailableError, ErrorCode, RemoteError
+
+STATE_VERSION = 1
+
+
+@dataclass(slots=True)
+class PassProgress:
+    """One consumer's position in one pass: its epoch and the batches it delivered."""
+
+    phase: str
+    epoch: int | None = None
+    seen: set[int] = field(default_factory=set)
+    rewind: bool = False  # from a checkpoint: the daemon's cursor goes back to this one
+
+    def resume_meta(self) -> dict[str, Any]:
+        """OPEN_PASS's ``resume`` field, or nothing for a pass not yet begun."""
+        if self.epoch is None:
+            return {}
+        resume: dict[str, Any] = {"epoch": self.epoch, "delivered": sorted(self.seen)}
+        if self.rewind:
+            resume["rewind"] = True
+        return {"resume": resume}
+
+    def begin(self, epoch: int) -> None:
+        """The daemon opened ``epoch``: a new epoch starts with nothing seen."""
+        if epoch != self.epoch:
+            self.seen = set()
+        self.epoch = epoch
+        self.rewind = False
+
+
+@dataclass(slots=True)
+class DeliveryStats:
+    """Counters of what the reconnect machinery did in this process."""
+
+    reconnects: int = 0
+    duplicates: int = 0  # batches received twice and dropped
+
+
+def recoverable(e: Exception) -> bool:
+    """Whether a failed request means 'the daemon restarted': reconnect and resume."""
+    if isinstance(e, DaemonUnavailableError):
+        return True
+    return isinstance(e, RemoteError) and e.code in (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_PASS)
+
+
+class Deadline:
+    """How long a consumer keeps trying to reach a daemon that went away."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        """Whether the time is up."""
+        return time.monotonic() > self.at
+
+
+def check_state(state: Any) -> dict[str, Any]:
+    """Validate a ``state_dict`` from a checkpoint.
+
+    Raises:
+        ValueError: it is not a loaderd dataset state of a known version.
+    """
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise ValueError(f"not a LoaderdDataset state of version {STATE_VERSION}: {state!r:.200}")
+    progress = state.get("progress")
+    if not isinstance(progress, dict):
+        raise ValueError("LoaderdDataset state: `progress` must be a dict")
+    return state

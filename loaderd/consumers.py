@@ -1,0 +1,118 @@
+"""Liveness of consumers, so a dead one's batches go back to its rank.
+
+A consumer is one DataLoader worker of one rank of one job; a dead one must not hold its
+rank's pass open forever.
+
+A consumer is gone when the process that said HELLO on its socket no longer exists (a local
+client: the daemon can look at its pid, so a ``kill -9`` is noticed within a tick), or when it
+has sent nothing for ``timeout_s`` (any client, also across hosts). Silence alone is a slow
+signal on purpose: a trainer may spend minutes on one step while holding its prefetched
+batches, and taking them away from a live consumer would deliver them twice. A stopped
+(SIGSTOP) consumer is alive: it keeps its few batches and slows nobody else down, since the
+server loop never waits on one peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+ConsumerKey = tuple[str, int, int]  # job, rank, worker
+_MAX_PEERS = 1 << 16  # identities remembered for their pid (oldest forgotten first)
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (pids are comparable only inside one)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a running process (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+@dataclass(slots=True)
+class _Seen:
+    at: float
+    identity: bytes
+
+
+class Consumers:
+    """Who consumes which rank's batches, when each was last heard from, and its pid.
+
+    Args:
+        timeout_s: silence after which a consumer counts as gone.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"`timeout_s` must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._ns = pid_namespace()
+        self._pids: OrderedDict[bytes, int] = OrderedDict()
+        self._seen: dict[ConsumerKey, _Seen] = {}
+        self.gone_total = 0
+
+    def hello(self, identity: bytes, pid: object, pidns: object, local: bool) -> None:
+        """Remember the pid of the process behind ``identity`` when the daemon can check it."""
+        if not (local and isinstance(pid, int) and pid > 0 and pidns == self._ns and self._ns):
+            return
+        self._pids[identity] = pid
+        self._pids.move_to_end(identity)
+        while len(self._pids) > _MAX_PEERS:
+            self._pids.popitem(last=False)
+
+    def seen(self, key: ConsumerKey, identity: bytes) -> None:
+        """The consumer sent a request just now."""
+        self._seen[key] = _Seen(time.monotonic(), identity)
+
+    def restored(self, key: ConsumerKey) -> None:
+        """A consumer known from saved state: it has ``timeout_s`` from now to come back."""
+        self._seen.setdefault(key, _Seen(time.monotonic(), b""))
+
+    def forget_job(self, job: str) -> None:
+        """Drop every consumer of a job."""
+        for key in [k for k in self._seen if k[0] == job]:
+            del self._seen[key]
+
+    def gone(self) -> list[ConsumerKey]:
+        """Consumers dead or silent for too long (each reported once, then forgotten)."""
+        now = time.monotonic()
+        out: list[ConsumerKey] = []
+        for key, s in list(self._seen.items()):
+            pid = self._pids.get(s.identity)
+            dead = pid is not None and not pid_alive(pid)
+            if dead or now - s.at > self.timeout_s:
+                del self._seen[key]
+                out.append(key)
+                logger.info(
+                    "consumer %s rank %d worker %d is gone (%s)",
+                    *key,
+                    f"pid {pid} exited" if dead else f"silent for {now - s.at:.0f} s",
+                )
+        self.gone_total += len(out)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._seen)
