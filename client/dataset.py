@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loaderd.client.connection import Connection
+from loaderd.client.fastpath import ShmReceiver, check_device, on_device, to_shared_tensors
 from loaderd.client.protocol import (
     PROTOCOL_VERSION,
     BatchArrays,
@@ -60,12 +61,19 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             daemon's default.
         prefetch: requests kept in flight per worker (the credit window).
         timeout_s: how long to wait for the daemon before raising DaemonUnavailableError.
+        shm: take batches through the daemon's shared-memory ring when it runs on this host
+            (ipc:// addresses only; falls back to the socket when the ring cannot be mapped).
+        device: a CUDA device to deliver batches on (``DeviceBuffering``: pinned staging
+            and copies on a side stream); None yields CPU tensors. Refused without CUDA.
+        buffers: batches staged ahead in pinned memory when ``device`` is set.
         **options: further importance options (``warmup_epochs``, ``keep_fraction``, ...).
 
     Each batch is a dict: ``id`` (int64 [B]), ``weight`` (float32 [B]), and one entry per
     stored field: a tensor ``[B, *shape]`` for fixed-shape fields, a list of ``bytes`` / ``str``
     for variable-length ones. Tensors view the received message's memory and are read-only in
-    spirit: clone one before writing to it in place.
+    spirit: clone one before writing to it in place. Through shared memory, a batch's tensors
+    are valid until the next batch is asked for (the daemon then reuses the slot): a trainer
+    that keeps them longer copies them on purpose (``loaderd.client.shm.copy_batch``).
     """
 
     def __init__(
@@ -80,6 +88,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         sampler: str | None = None,
         prefetch: int = 4,
         timeout_s: float = 30.0,
+        shm: bool = True,
+        device: str | torch.device | None = None,
+        buffers: int = 3,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -99,6 +110,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             raise ValueError(f"`rank` {self.rank} is outside [0, world_size={self.world_size})")
         self.prefetch = prefetch
         self._conn = Connection(address, timeout_s)
+        # Fast path (client/fastpath.py): shared memory for same-host daemons, device copies.
+        self._shm = ShmReceiver(shm and address.startswith("ipc://"))
+        self.device = check_device(device, buffers)
+        self.buffers = buffers
         self._hello_pid = -1
         self._schema: list[FieldSpec] = []
         self._feedback: deque[int] = deque()
@@ -109,7 +124,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """This rank's share of the next epoch (or the rest of an interrupted one)."""
-        return self._pass("train")
+        return on_device(self._pass("train"), self.device, self.buffers)
 
     def rescore(self) -> Iterator[dict[str, Any]]:
         """The samples to re-score before the next epoch (seed 002), for a forward-only pass.
@@ -117,7 +132,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         Send their losses with ``feedback`` as usual. Empty while the importance engine is
         still classifying samples, or when the job's sampler does not re-score.
         """
-        return self._pass("rescore")
+        return on_device(self._pass("rescore"), self.device, self.buffers)
 
     def _pass(self, phase: str) -> Iterator[dict[str, Any]]:
         self._hello()
@@ -148,7 +163,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                 if index in seen:  # delivery is at-least-once on the wire; drop duplicates
                     continue
                 seen.add(index)
+                shared = self._shm.resolve(msg)  # through shared memory: frames view a slot
                 batch = self._to_torch(decode_batch(msg, self._schema))
+                if shared and info is not None:  # pickled by a feeder thread after our ack
+                    batch = to_shared_tensors(batch)
                 acks.append(index)  # handed to the trainer: delivered, even if it stops here
                 yield batch
             self._conn.request(MsgType.ACK, {**request, "acks": acks}, expect=MsgType.OK)
@@ -221,8 +239,12 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             "options": self.options,
             "version": PROTOCOL_VERSION,
             "pid": os.getpid(),
+            "shm": self._shm.wanted,
         }
         reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
+        if not self._shm.accept(reply.meta):  # cannot map the ring: ask for the socket path
+            meta["shm"] = False
+            reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
         self._schema = [FieldSpec.from_json(f) for f in reply.meta["schema"]]
         self.num_samples = int(reply.meta["num_samples"])
         self._hello_pid = os.getpid()
@@ -236,6 +258,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if self._hello_pid == os.getpid():
             self.flush()
         self._conn.close()
+        self._shm.close()
 
 
 def _as_numpy(x: Any, dtype: type[np.generic]) -> np.ndarray:

@@ -396,6 +396,22 @@ class ShmRing:
             del self._lent[slot]
             self._free.append(slot)
 
+    def transfer(self, slot: int, owner: Hashable, *, expected: Hashable) -> bool:
+        """Hand a lent slot to another owner, keeping its generation (the batch stays valid).
+
+        A batch assembled ahead of demand is lent to a placeholder owner, then handed to the
+        consumer that asks for it; release and acquire would bump the generation instead.
+
+        Returns:
+            True when the slot was lent to ``expected`` and now belongs to ``owner``.
+        """
+        self._check_creator("transfer")
+        with self._lock:
+            if slot not in self._lent or self._lent[slot] != expected:
+                return False
+            self._lent[slot] = owner
+        return True
+
     def reclaim(self, owner: Hashable) -> list[int]:
         """Take back every slot lent to ``owner`` (a consumer that died or went away).
 

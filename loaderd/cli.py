@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 from loaderd import __version__
-from loaderd.config import CacheConfig, DaemonConfig, PrefetchConfig, parse_size
+from loaderd.config import CacheConfig, DaemonConfig, PrefetchConfig, ShmConfig, parse_size
 
 logger = logging.getLogger("loaderd")
 
@@ -64,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="batches assembled ahead of demand per rank (default: %(default)s)",
     )
     s.add_argument("--workers", type=int, default=PrefetchConfig().workers, help="assembly threads")
+    s.add_argument(
+        "--shm-slots",
+        type=int,
+        help="slots of the shared-memory ring for same-host trainers (default: automatic)",
+    )
+    s.add_argument(
+        "--shm-slot-bytes",
+        type=_size,
+        help="bytes per ring slot, e.g. 8MiB (default: one batch of the first job)",
+    )
+    s.add_argument(
+        "--no-shm", action="store_true", help="send every batch over the socket, never via /dev/shm"
+    )
     s.add_argument("--sampler", help="default sampler for jobs that do not choose one")
     s.add_argument("--warmup-epochs", type=int, help="default classification epochs (K)")
     s.add_argument("--keep-fraction", type=float, help="default share of samples trained per epoch")
@@ -132,6 +145,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         state_dir=args.state_dir or args.db.with_name(args.db.name + ".state"),
         cache=CacheConfig(dram_bytes=args.dram_bytes),
         prefetch=PrefetchConfig(depth=args.prefetch, workers=args.workers),
+        shm=ShmConfig(
+            enabled=not args.no_shm, slots=args.shm_slots, slot_bytes=args.shm_slot_bytes
+        ),
         importance=ImportanceConfig.from_options(job_defaults, ImportanceConfig()),
     )
     stop = threading.Event()

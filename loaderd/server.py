@@ -28,7 +28,6 @@ from loaderd.client.protocol import (
     FieldSpec,
     Message,
     MsgType,
-    batch_frames,
     check_int_list,
     check_request,
     decode,
@@ -40,6 +39,7 @@ from loaderd.client.protocol import (
 from loaderd.config import DaemonConfig
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState
 from loaderd.prefetch import Assembler, Prefetcher
+from loaderd.shm_delivery import ShmDelivery
 from loaderd.stats import build_stats
 from loaderd.storage.dram import DramCache
 from loaderd.storage.errors import CorruptRecordError, StorageError
@@ -116,8 +116,15 @@ class Server:
         self.store = SampleStore(config.db)
         self.tiers = TierStack(self.store, DramCache(config.cache.dram_bytes))
         self.schema = [FieldSpec(f.name, f.dtype, f.shape) for f in self.store.schema.fields]
+        self.shm = ShmDelivery(
+            config.shm,
+            self.schema,
+            self.store.total_bytes // max(self.store.num_samples, 1),
+        )
         self.prefetcher = Prefetcher(
-            Assembler(self.tiers, self.store.schema).assemble, config.prefetch.workers
+            self.shm.assembler(Assembler(self.tiers, self.store.schema)).assemble,
+            config.prefetch.workers,
+            on_discard=self.shm.discard,
         )
         self.jobs: dict[str, Job] = {}
         self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
@@ -190,6 +197,7 @@ class Server:
 
     def _tick(self) -> None:
         self._retry_parked()
+        self.shm.check_dead()
         for job in self.jobs.values():
             job.save()
 
@@ -200,6 +208,7 @@ class Server:
         self.sock.close()
         self.ctx.term()
         self.prefetcher.close()
+        self.shm.close()
         for job in self.jobs.values():
             job.close()
         self.tiers.close()
@@ -297,12 +306,14 @@ class Server:
                 "schema": [s.to_json() for s in self.schema],
                 "num_samples": self.store.num_samples,
                 "job": asdict(job.spec),
+                **self.shm.hello(identity, m, spec.batch_size),
             },
         )
 
     def _open_pass(self, identity: bytes, msg: Message) -> Message | None:
         m = msg.meta
         job = self._job(m)
+        self.shm.reclaim(identity)  # what this consumer held and never acknowledged is lost
         try:
             state = job.open_pass(m["rank"], m["worker"], m["phase"])
         except NotReady:
@@ -330,6 +341,7 @@ class Server:
     def _get_batch(self, identity: bytes, msg: Message) -> Message | None:
         m = msg.meta
         job = self._job(m)
+        self.shm.release_acked(identity, m)
         rank, epoch, phase = m["rank"], m["epoch"], m["phase"]
         state = job.get_pass(rank, epoch, phase)
         end = Message(MsgType.END, msg.request_id, {"epoch": epoch, "phase": phase})
@@ -373,6 +385,7 @@ class Server:
         fut = self.prefetcher.pop(key)
         assert fut is not None and fut.done()
         _, _, epoch, phase, index = key
+        arrays = None
         for identity, request_id in waiters:
             try:
                 arrays = fut.result()
@@ -385,15 +398,24 @@ class Server:
                 logger.error("batch %s failed: %s", key, e)
                 self._send(identity, error_message(request_id, code, str(e)))
                 continue
-            meta = {"epoch": epoch, "phase": phase, "index": index, "n": len(arrays.ids)}
+            meta: dict[str, Any] = {
+                "epoch": epoch,
+                "phase": phase,
+                "index": index,
+                "n": len(arrays.ids),
+            }
+            desc, payload, copy = self.shm.payload(identity, key, arrays)
+            if desc is not None:
+                meta["shm"] = desc  # the payload lies in a ring slot; no frames follow
             frames = encode(Message(MsgType.BATCH, request_id, meta))
-            self.sock.send_multipart(
-                [identity, *frames, *batch_frames(arrays, self.schema)], copy=False
-            )
+            self.sock.send_multipart([identity, *frames, *payload], copy=copy)
+        if arrays is not None:
+            self.shm.settle(arrays)
 
     def _ack(self, identity: bytes, msg: Message) -> Message:
         m = msg.meta
         job = self._job(m)
+        self.shm.release_acked(identity, m)
         state = job.get_pass(m["rank"], m["epoch"], m["phase"])
         if state is not None:
             job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
@@ -417,7 +439,7 @@ class Server:
 
     def stats(self) -> dict[str, Any]:
         """Everything ``loaderd stats`` shows."""
-        return build_stats(
+        out = build_stats(
             dataset={
                 "path": str(self.store.path),
                 "samples": self.store.num_samples,
@@ -435,3 +457,5 @@ class Server:
             },
             uptime_s=time.monotonic() - self.started,
         )
+        out["shm"] = self.shm.stats()
+        return out

@@ -1,0 +1,130 @@
+"""The trainer's side of the fast path: shared-memory batches and device buffering.
+
+``ShmReceiver`` turns a BATCH whose meta carries ``"shm": <descriptor>`` into the same
+payload frames the socket would have carried, as views of the daemon's ring slot, so
+``protocol.decode_batch`` reads it unchanged. The views stay valid until the trainer asks
+for the next batch (that request acknowledges this one and the daemon reuses the slot);
+tensors kept longer must be copied on purpose with ``shm.copy_batch``.
+
+``on_device`` wraps a pass in ``device.DeviceBuffering`` when the dataset was given a device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from loaderd.client.device import DeviceBuffering, resolve_cuda_device
+from loaderd.client.protocol import Message
+from loaderd.client.shm import ShmError, ShmRing, SlotDescriptor
+
+logger = logging.getLogger(__name__)
+
+
+class ShmReceiver:
+    """One process's attachment to the daemon's ring; pickles to a fresh, unattached one.
+
+    Args:
+        wanted: whether to ask for shared memory (the dataset's ``shm`` flag and an ipc://
+            address: only a client on the daemon's host can map its ring).
+    """
+
+    def __init__(self, wanted: bool) -> None:
+        self.wanted = wanted
+        self._ring: ShmRing | None = None
+        self._pid = -1
+
+    def accept(self, welcome: dict[str, Any]) -> bool:
+        """Attach to the ring a WELCOME names; False when it cannot (use the socket then)."""
+        info = welcome.get("shm")
+        if not isinstance(info, dict) or not isinstance(info.get("ring"), str):
+            return True  # the daemon did not offer shared memory: nothing to do
+        try:
+            self._attach(info["ring"])
+        except ShmError as e:
+            logger.warning("cannot map the daemon's ring, using the socket: %s", e)
+            self.wanted = False
+            return False
+        return True
+
+    def _attach(self, name: str) -> ShmRing:
+        if self._pid != os.getpid():
+            self._ring, self._pid = None, os.getpid()  # a forked child maps its own
+        if self._ring is None or self._ring.name != name:
+            if self._ring is not None:
+                self._ring.close()  # the daemon restarted with a new ring
+            self._ring = ShmRing.attach(name)
+        return self._ring
+
+    def resolve(self, msg: Message) -> bool:
+        """Point a BATCH's frames at its slot when it came through shared memory.
+
+        Returns:
+            Whether the batch lies in shared memory (valid until the next request).
+
+        Raises:
+            ProtocolError: the descriptor is malformed or names a slot lent again.
+            ShmError: the ring it names cannot be mapped.
+        """
+        desc = msg.meta.get("shm")
+        if desc is not None:
+            d = SlotDescriptor.from_json(desc)
+            msg.frames = self._attach(d.ring).frames(d)
+        return desc is not None
+
+    def close(self) -> None:
+        """Unmap (views still held keep the mapping until they go); safe to call twice."""
+        if self._ring is not None and self._pid == os.getpid():
+            self._ring.close()
+        self._ring = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"wanted": self.wanted}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["wanted"])  # type: ignore[misc]
+
+
+def to_shared_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    """Copy a batch's tensors out of a ring slot into torch shared memory, once.
+
+    A DataLoader worker hands its batch to a queue whose feeder thread pickles it later, while
+    the worker already asks for (and so gives back the slot of) the next batch; the copy has
+    to happen before. Torch would move the tensors into shared memory to send them anyway, so
+    this costs no copy more than the socket path.
+    """
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            t = torch.empty(v.shape, dtype=v.dtype).share_memory_()
+            t.copy_(v)
+            v = t
+        out[k] = v
+    return out
+
+
+def check_device(device: str | torch.device | None, buffers: int) -> torch.device | None:
+    """Validate ``device=`` / ``buffers=`` of a dataset up front.
+
+    Raises:
+        ValueError: ``buffers`` < 1, or ``device`` is not a CUDA device.
+        RuntimeError: CUDA is not available on this machine.
+    """
+    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+        raise ValueError(f"`buffers` must be a positive int, got {buffers!r}")
+    if device is None:
+        return None
+    return resolve_cuda_device(device)
+
+
+def on_device(
+    batches: Iterator[dict[str, Any]], device: torch.device | None, buffers: int
+) -> Iterator[dict[str, Any]]:
+    """``batches`` as they are, or copied to ``device`` ``buffers`` batches ahead."""
+    if device is None:
+        return batches
+    return iter(DeviceBuffering(batches, device=device, buffers=buffers))
