@@ -54,7 +54,7 @@ class MsgType(IntEnum):
     ACK = 10  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> OK
     FEEDBACK = 11  # {"job", "kind"}; frames: ids int64, losses float32 -> OK
     OK = 12  # {} or a small result
-    STATS = 13  # {} -> STATS_REPLY
+    STATS = 13  # {"detail"?: bool (per-job importance histograms)} -> STATS_REPLY
     STATS_REPLY = 14  # the statistics object (see loaderd.stats)
     ERROR = 15  # {"code", "message"}
 

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until ^C")
     t.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    t.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw each job's loss-variance and importance histograms (needs matplotlib)",
+    )
 
     d = sub.add_parser("demo", help="generate a dataset, serve it, train on it, show the stats")
     d.add_argument("--dir", type=Path, default=Path("demo-data"), help="where to put the data")
@@ -182,6 +188,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from loaderd.stats import format_table
 
     with Connection(args.socket, timeout_s=args.timeout) as conn:
+        if args.plot is not None:
+            from loaderd.importance_plot import plot
+
+            meta = {"detail": True}
+            stats = conn.request(MsgType.STATS, meta, expect=MsgType.STATS_REPLY).meta
+            print(f"wrote {args.plot} ({plot(stats, args.plot)} jobs)")
+            return 0
         while True:
             stats = conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta
             text = json.dumps(stats, indent=2) if args.json else format_table(stats)

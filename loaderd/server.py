@@ -37,6 +37,7 @@ from loaderd.client.protocol import (
     peek_request_id,
 )
 from loaderd.config import DaemonConfig
+from loaderd.importance_plot import histograms
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState
 from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.shm_delivery import ShmDelivery
@@ -435,7 +436,11 @@ class Server:
         )
 
     def _stats(self, identity: bytes, msg: Message) -> Message:
-        return Message(MsgType.STATS_REPLY, msg.request_id, self.stats())
+        stats = self.stats()
+        if msg.meta.get("detail") is True:  # `loaderd stats --plot`: binned, never N floats
+            for name, job in self.jobs.items():
+                stats["jobs"][name]["importance_detail"] = histograms(job.engine)
+        return Message(MsgType.STATS_REPLY, msg.request_id, stats)
 
     def stats(self) -> dict[str, Any]:
         """Everything ``loaderd stats`` shows."""

@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from loaderd.client import LoaderdDataset, RemoteError
+from loaderd.client.connection import Connection
+from loaderd.client.protocol import MsgType
 from loaderd.importance import ImportanceConfig, ImportanceEngine
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon, wait_until
@@ -292,3 +294,32 @@ def test_serve_refuses_bad_defaults(
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("loaderd: error:")
     assert flags[0][2:].replace("-", "_") in lines[0]
+
+
+def test_stats_plot(daemon: Daemon, tmp_path: Path) -> None:
+    ds = dataset_for(daemon, "plot")
+    run_epochs(ds, K + 1)
+    with Connection(daemon.address, timeout_s=10) as conn:
+        detail = conn.request(MsgType.STATS, {"detail": True}, expect=MsgType.STATS_REPLY).meta
+    hist = detail["jobs"]["plot"]["importance_detail"]
+    assert sum(hist["variance"]["high"]) == HIGH.size  # the split, binned, no raw floats
+    assert sum(hist["variance"]["low"]) + hist["variance"]["zeros"] == N_SAMPLES - HIGH.size
+    assert len(hist["importance"]["edges"]) <= 101
+    out = tmp_path / "imp.png"
+    cmd = [sys.executable, "-m", "loaderd", "stats", "--socket", daemon.address, "--plot", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Without matplotlib: one clear line, non-zero exit.
+    hide = "import sys; sys.modules['matplotlib'] = None; from loaderd.cli import main; "
+    argv = ["stats", "--socket", daemon.address, "--plot", str(tmp_path / "no.png")]
+    proc = subprocess.run(
+        [sys.executable, "-c", hide + f"sys.exit(main({argv!r}))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "loaderd: error: --plot needs matplotlib: pip install 'loaderd[plot]' (or matplotlib)"
+    ]
