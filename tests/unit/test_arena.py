@@ -299,7 +299,8 @@ def test_recovery_after_zeroing_the_tail_at_many_offsets(path: Path) -> None:
     for cut in sorted(cuts):
         path.write_bytes(image[:cut] + bytes(len(image) - cut))
         with Arena(path, SMALL, FP) as a:
-            whole = {sid for sid, end in ends.items() if end <= cut}
+            # whole: the zeroing changed none of its bytes (a commit word may end in 0x00)
+            whole = {sid for sid, end in ends.items() if not any(image[cut:end])}
             assert check_served(a, expected) == whole, f"cut at {cut}"
 
 
