@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loaderd.client.connection import Connection
+from loaderd.client.errors import DaemonUnavailableError, RemoteError
 from loaderd.client.fastpath import ShmReceiver, check_device, on_device, to_shared_tensors
 from loaderd.client.protocol import (
     PROTOCOL_VERSION,
@@ -33,6 +34,14 @@ from loaderd.client.protocol import (
     VarColumn,
     decode_batch,
     feedback_frames,
+)
+from loaderd.client.resume import (
+    STATE_VERSION,
+    Deadline,
+    DeliveryStats,
+    PassProgress,
+    check_state,
+    recoverable,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,6 +70,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             daemon's default.
         prefetch: requests kept in flight per worker (the credit window).
         timeout_s: how long to wait for the daemon before raising DaemonUnavailableError.
+        reconnect_s: how long to keep reconnecting when the daemon goes away in the middle of
+            a pass (it restarts, and the pass continues where this consumer was); 0 raises
+            DaemonUnavailableError at once.
         shm: take batches through the daemon's shared-memory ring when it runs on this host
             (ipc:// addresses only; falls back to the socket when the ring cannot be mapped).
         device: a CUDA device to deliver batches on (``DeviceBuffering``: pinned staging
@@ -88,6 +100,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         sampler: str | None = None,
         prefetch: int = 4,
         timeout_s: float = 30.0,
+        reconnect_s: float = 300.0,
         shm: bool = True,
         device: str | torch.device | None = None,
         buffers: int = 3,
@@ -117,6 +130,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._hello_pid = -1
         self._schema: list[FieldSpec] = []
         self._feedback: deque[int] = deque()
+        self._pending_feedback: dict[int, tuple[dict[str, Any], list[Any]]] = {}
+        self.reconnect_s = reconnect_s
+        self._progress: dict[str, PassProgress] = {}
+        self.delivery = DeliveryStats()
         self._phase = "train"
         self.epoch: int | None = None  # the epoch of the last pass this process iterated
 
@@ -135,32 +152,55 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         return on_device(self._pass("rescore"), self.device, self.buffers)
 
     def _pass(self, phase: str) -> Iterator[dict[str, Any]]:
-        self._hello()
         info = get_worker_info()
         worker = info.id if info is not None else 0
         base = {"job": self.job, "rank": self.rank, "worker": worker, "phase": phase}
-        reply = self._conn.request(MsgType.OPEN_PASS, base, expect=MsgType.PASS)
-        epoch = int(reply.meta["epoch"])
+        # A pass interrupted in this process (or restored by load_state_dict) resumes.
+        progress = self._progress.setdefault(phase, PassProgress(phase))
+        try:
+            self._hello()
+            reply = self._conn.request(
+                MsgType.OPEN_PASS, {**base, **progress.resume_meta()}, expect=MsgType.PASS
+            )
+            epoch = int(reply.meta["epoch"])
+        except (DaemonUnavailableError, RemoteError) as e:
+            if not recoverable(e) or self.reconnect_s <= 0:
+                raise
+            epoch = self._reconnect(base, progress)
+        progress.begin(epoch)
         self.epoch = epoch
         request = {**base, "epoch": epoch}
         self._phase = phase
-        seen: set[int] = set()
+        seen = progress.seen  # survives reconnects: the dedup set of (epoch, batch index)
         acks: list[int] = []
         in_flight: deque[int] = deque()
         ended = False
         try:
             while True:
-                while not ended and len(in_flight) < self.prefetch:
-                    in_flight.append(self._conn.send(MsgType.GET_BATCH, {**request, "acks": acks}))
-                    acks = []
-                if not in_flight:
-                    break
-                msg = self._conn.wait(in_flight.popleft())
+                try:
+                    while not ended and len(in_flight) < self.prefetch:
+                        rid = self._conn.send(MsgType.GET_BATCH, {**request, "acks": acks})
+                        in_flight.append(rid)
+                        acks = []
+                    if not in_flight:
+                        ack = {**request, "acks": acks}
+                        self._conn.request(MsgType.ACK, ack, expect=MsgType.OK)
+                        acks = []
+                        break
+                    msg = self._conn.wait(in_flight.popleft())
+                except (DaemonUnavailableError, RemoteError) as e:
+                    if not recoverable(e) or self.reconnect_s <= 0:
+                        raise
+                    in_flight.clear()
+                    acks = []  # the resume below carries every delivered index
+                    ended = self._reconnect(base, progress) != epoch
+                    continue
                 if msg.type == MsgType.END:
                     ended = True
                     continue
                 index = int(msg.meta["index"])
                 if index in seen:  # delivery is at-least-once on the wire; drop duplicates
+                    self.delivery.duplicates += 1
                     continue
                 seen.add(index)
                 shared = self._shm.resolve(msg)  # through shared memory: frames view a slot
@@ -169,8 +209,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     batch = to_shared_tensors(batch)
                 acks.append(index)  # handed to the trainer: delivered, even if it stops here
                 yield batch
-            self._conn.request(MsgType.ACK, {**request, "acks": acks}, expect=MsgType.OK)
-            acks = []
+            self._progress.pop(phase, None)  # the pass is over: the next one starts afresh
             self.flush()
         finally:
             self._phase = "train"
@@ -178,6 +217,62 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                 self._conn.ignore(self._conn.send(MsgType.ACK, {**request, "acks": acks}))
             for rid in in_flight:
                 self._conn.ignore(rid)
+
+    def _reconnect(self, base: dict[str, Any], progress: PassProgress) -> int:
+        """Open a fresh socket, say HELLO and resume the pass; returns the daemon's epoch.
+
+        Raises:
+            DaemonUnavailableError: the daemon did not come back within ``reconnect_s``.
+        """
+        deadline = Deadline(self.reconnect_s)
+        logger.warning("loaderd at %s went away; resuming %s pass", self.address, progress.phase)
+        while True:
+            try:
+                self._rehello()
+                reply = self._conn.request(
+                    MsgType.OPEN_PASS, {**base, **progress.resume_meta()}, expect=MsgType.PASS
+                )
+            except (DaemonUnavailableError, RemoteError) as e:
+                if not recoverable(e) or deadline.passed():
+                    raise
+                continue
+            self.delivery.reconnects += 1
+            return int(reply.meta["epoch"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """This process's position in its passes, for a trainer's checkpoint.
+
+        Use it when the dataset is iterated in the training process (``num_workers=0``):
+        ``load_state_dict`` then resumes the pass exactly there, even if the daemon moved on
+        or lost its state since.
+        """
+        return {
+            "version": STATE_VERSION,
+            "job": self.job,
+            "rank": self.rank,
+            "progress": {
+                phase: {"epoch": p.epoch, "delivered": sorted(p.seen)}
+                for phase, p in self._progress.items()
+                if p.epoch is not None
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict``: the next pass resumes the saved one.
+
+        Raises:
+            ValueError: the state is not one of this job and rank.
+        """
+        state = check_state(state)
+        if (state.get("job"), state.get("rank")) != (self.job, self.rank):
+            raise ValueError(
+                f"state of job {state.get('job')!r} rank {state.get('rank')!r} does not fit "
+                f"job {self.job!r} rank {self.rank}"
+            )
+        self._progress = {
+            phase: PassProgress(phase, int(p["epoch"]), {int(i) for i in p["delivered"]}, True)
+            for phase, p in state["progress"].items()
+        }
 
     def _to_torch(self, arrays: BatchArrays) -> dict[str, Any]:
         with warnings.catch_warnings():
@@ -208,12 +303,66 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             losses: one loss per id (a tensor is detached and moved to the CPU).
             kind: ``train`` or ``rescore``; by default ``rescore`` inside ``rescore()``.
         """
-        self._hello()
+        self._hello_retrying()
         frames = feedback_frames(_as_numpy(ids, np.int64), _as_numpy(losses, np.float32))
         meta = {"job": self.job, "kind": kind or self._phase}
-        self._feedback.append(self._conn.send(MsgType.FEEDBACK, meta, frames))
+        rid = self._conn.send(MsgType.FEEDBACK, meta, frames)
+        self._feedback.append(rid)
+        self._pending_feedback[rid] = (meta, frames)
         while len(self._feedback) > _MAX_FEEDBACK_IN_FLIGHT:
-            self._conn.wait(self._feedback.popleft())  # bounded memory, and errors surface
+            self._wait_feedback()  # bounded memory, and errors surface
+
+    def _wait_feedback(self) -> None:
+        """Wait for the oldest feedback; if the daemon went away, send it all again.
+
+        Feedback is at-least-once: what a crashed daemon had journalled but not confirmed is
+        recorded twice, which only adds one more loss sample to the importance history.
+        """
+        rid = self._feedback[0]
+        try:
+            self._conn.wait(rid)
+        except RemoteError:
+            self._feedback.popleft()  # refused: it will not be sent again
+            self._pending_feedback.pop(rid, None)
+            raise
+        except DaemonUnavailableError:
+            if self.reconnect_s <= 0:
+                raise
+            self._hello_retrying(again=True)
+            return
+        self._feedback.popleft()
+        self._pending_feedback.pop(rid, None)
+
+    def _hello_retrying(self, again: bool = False) -> None:
+        """HELLO, reconnecting for up to ``reconnect_s`` while the daemon is away."""
+        if not again:
+            try:
+                self._hello()
+                return
+            except DaemonUnavailableError:
+                if self.reconnect_s <= 0:
+                    raise
+        deadline = Deadline(self.reconnect_s)
+        while True:
+            try:
+                self._rehello()
+                break
+            except DaemonUnavailableError:
+                if deadline.passed():
+                    raise
+        self.delivery.reconnects += 1
+
+    def _rehello(self) -> None:
+        """A fresh socket and HELLO, then every unconfirmed feedback sent again."""
+        self._conn.reset()  # replies to the old socket are lost: their requests go again
+        self._hello_pid = -1
+        self._hello()
+        pending = [self._pending_feedback.pop(r) for r in self._feedback]
+        self._feedback.clear()
+        for meta, frames in pending:
+            r = self._conn.send(MsgType.FEEDBACK, meta, frames)
+            self._feedback.append(r)
+            self._pending_feedback[r] = (meta, frames)
 
     def flush(self) -> None:
         """Wait until the daemon has recorded every feedback sent so far.
@@ -222,14 +371,16 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             RemoteError: the daemon refused some feedback (e.g. an id out of range).
         """
         while self._feedback:
-            self._conn.wait(self._feedback.popleft())
+            self._wait_feedback()
 
     # --- the rest -----------------------------------------------------------------------------
 
     def _hello(self) -> None:
         if self._hello_pid == os.getpid():
             return
-        self._feedback.clear()  # requests of the parent process are not ours to wait for
+        if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
+            self._feedback.clear()
+            self._pending_feedback.clear()
         meta = {
             "job": self.job,
             "rank": self.rank,
@@ -239,6 +390,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             "options": self.options,
             "version": PROTOCOL_VERSION,
             "pid": os.getpid(),
+            "pidns": _pid_namespace(),  # the daemon checks the pid only inside its own
             "shm": self._shm.wanted,
         }
         reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
@@ -265,3 +417,10 @@ def _as_numpy(x: Any, dtype: type[np.generic]) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().to("cpu", torch.float32 if dtype is np.float32 else torch.int64).numpy()
     return np.ascontiguousarray(np.asarray(x).reshape(-1), dtype)
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""

@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--no-shm", action="store_true", help="send every batch over the socket, never via /dev/shm"
     )
+    s.add_argument(
+        "--consumer-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="silence after which a consumer's batches go back to its rank (default: %(default)s)",
+    )
     s.add_argument("--sampler", help="default sampler for jobs that do not choose one")
     s.add_argument("--warmup-epochs", type=int, help="default classification epochs (K)")
     s.add_argument("--keep-fraction", type=float, help="default share of samples trained per epoch")
@@ -155,7 +162,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             enabled=not args.no_shm, slots=args.shm_slots, slot_bytes=args.shm_slot_bytes
         ),
         importance=ImportanceConfig.from_options(job_defaults, ImportanceConfig()),
+        consumer_timeout_s=args.consumer_timeout,
     )
+    from loaderd import crashpoints
+
+    crashpoints.arm(os.environ.get("LOADERD_CRASH_AT"))  # tests only: die at a named point
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from loaderd import __version__
+from loaderd import __version__, crashpoints
 from loaderd.client.errors import ErrorCode, ProtocolError
 from loaderd.client.protocol import (
     MAX_FRAME_BYTES,
@@ -37,8 +37,9 @@ from loaderd.client.protocol import (
     peek_request_id,
 )
 from loaderd.config import DaemonConfig
+from loaderd.consumers import Consumers
 from loaderd.importance_plot import histograms
-from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState
+from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume
 from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.shm_delivery import ShmDelivery
 from loaderd.stats import build_stats
@@ -133,13 +134,19 @@ class Server:
         # FEEDBACK is acknowledged only once journalled and fsynced: one fsync per loop turn
         # covers every feedback that arrived in it (group commit).
         self._unsynced: list[tuple[bytes, Message]] = []
+        # Batches ready when asked for go out only after the loop turn's cursors are written,
+        # so a batch a trainer may hold is never handed to another consumer after a crash.
+        self._ready: list[BatchKey] = []
+        self.consumers = Consumers(config.consumer_timeout_s)
         self._load_jobs()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        set_heartbeats(self.sock)
         self.sock.bind(config.socket)
+        self._local = config.socket.startswith(("ipc://", "inproc://"))  # peers' pids are ours
         if self.ipc_path is not None:
             os.chmod(self.ipc_path, 0o600)
         self._handlers: dict[MsgType, Callable[[bytes, Message], Message | None]] = {
@@ -176,6 +183,7 @@ class Server:
                         except zmq.Again:
                             break
                         self._dispatch(frames)
+                    self._commit_cursors()
                     self._commit_feedback()
                 if self.prefetcher.wake_fd in events:
                     for key in self.prefetcher.completed():
@@ -185,6 +193,20 @@ class Server:
                     next_tick = time.monotonic() + _TICK_S
         finally:
             self.close()
+
+    def _commit_cursors(self) -> None:
+        """Write changed cursors, then send the batches that were waiting for them.
+
+        No fsync: the page cache outlives a daemon crash, and a machine crash takes the
+        trainers (and what they hold) down with it; the tick's save is the fsynced one.
+        """
+        for job in self.jobs.values():
+            if job.dirty:
+                job.save(sync=False)
+        crashpoints.hit("commit")
+        ready, self._ready = self._ready, []
+        for key in ready:
+            self._deliver(key)
 
     def _commit_feedback(self) -> None:
         if not self._unsynced:
@@ -198,6 +220,17 @@ class Server:
 
     def _tick(self) -> None:
         self._retry_parked()
+        for name, rank, worker in self.consumers.gone():
+            job = self.jobs.get(name)
+            n = job.requeue(rank, worker) if job is not None else 0
+            if n:
+                logger.warning(
+                    "job %s rank %d: %d batches of gone worker %d go back to the rank",
+                    name,
+                    rank,
+                    n,
+                    worker,
+                )
         self.shm.check_dead()
         for job in self.jobs.values():
             job.save()
@@ -226,9 +259,12 @@ class Server:
             saved = read_json(path)
             try:
                 spec = JobSpec(**saved["spec"])
-                self.jobs[spec.name] = Job(
+                job = self.jobs[spec.name] = Job(
                     spec, self.store.num_samples, self.job_defaults, path.parent
                 )
+                for rank, state in enumerate(job.passes):
+                    for worker in set(state.inflight.values()) if state else ():
+                        self.consumers.restored((spec.name, rank, worker))
             except (JobError, KeyError, TypeError, ValueError) as e:
                 logger.warning("skipping saved job in %s: %s", path.parent, e)
 
@@ -300,6 +336,7 @@ class Server:
                 ErrorCode.JOB_CONFLICT,
             )
         job.check_rank(m["rank"])
+        self.consumers.hello(identity, m.get("pid"), m.get("pidns"), self._local)
         return Message(
             MsgType.WELCOME,
             msg.request_id,
@@ -315,8 +352,11 @@ class Server:
         m = msg.meta
         job = self._job(m)
         self.shm.reclaim(identity)  # what this consumer held and never acknowledged is lost
+        resume = parse_resume(m.get("resume"))
+        job.check_rank(m["rank"])
+        self.consumers.seen((job.spec.name, m["rank"], m["worker"]), identity)
         try:
-            state = job.open_pass(m["rank"], m["worker"], m["phase"])
+            state = job.open_pass(m["rank"], m["worker"], m["phase"], resume)
         except NotReady:
             self._parked_opens.append((identity, msg))
             return None
@@ -345,6 +385,7 @@ class Server:
         self.shm.release_acked(identity, m)
         rank, epoch, phase = m["rank"], m["epoch"], m["phase"]
         state = job.get_pass(rank, epoch, phase)
+        self.consumers.seen((job.spec.name, rank, m["worker"]), identity)
         end = Message(MsgType.END, msg.request_id, {"epoch": epoch, "phase": phase})
         if state is None:
             return end  # a request for a pass that is over
@@ -360,7 +401,7 @@ class Server:
         self._prefetch_ahead(job, rank, state)
         self._waiting.setdefault(key, []).append((identity, msg.request_id))
         if fut.done():
-            self._deliver(key)
+            self._ready.append(key)  # sent once the assignment is written (_commit_cursors)
         return None
 
     def _prefetch_ahead(self, job: Job, rank: int, state: PassState) -> None:
@@ -410,6 +451,7 @@ class Server:
                 meta["shm"] = desc  # the payload lies in a ring slot; no frames follow
             frames = encode(Message(MsgType.BATCH, request_id, meta))
             self.sock.send_multipart([identity, *frames, *payload], copy=copy)
+            crashpoints.hit("deliver")
         if arrays is not None:
             self.shm.settle(arrays)
 
@@ -418,6 +460,7 @@ class Server:
         job = self._job(m)
         self.shm.release_acked(identity, m)
         state = job.get_pass(m["rank"], m["epoch"], m["phase"])
+        self.consumers.seen((job.spec.name, m["rank"], m["worker"]), identity)
         if state is not None:
             job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
             if state.complete:
@@ -463,4 +506,31 @@ class Server:
             uptime_s=time.monotonic() - self.started,
         )
         out["shm"] = self.shm.stats()
+        out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
         return out
+
+
+def set_heartbeats(sock: zmq.Socket[Any], ivl_ms: int = 2000, timeout_ms: int = 10000) -> None:
+    """Turn on ZMTP heartbeats, so a peer that stops answering is disconnected.
+
+    A dead TCP peer is noticed this way without any message from the application.
+    """
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
+
+
+def parse_resume(value: Any) -> Resume | None:
+    """OPEN_PASS's optional ``resume``: {"epoch", "delivered": [batch index, ...], "rewind"}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"OPEN_PASS: field 'resume' must be an object, got {value!r}")
+    epoch = value.get("epoch")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ProtocolError(f"OPEN_PASS: 'resume.epoch' must be an int >= 0, got {epoch!r}")
+    rewind = value.get("rewind", False)
+    if not isinstance(rewind, bool):
+        raise ProtocolError(f"OPEN_PASS: 'resume.rewind' must be a bool, got {rewind!r}")
+    delivered = check_int_list("resume.delivered", value.get("delivered", []), _MAX_ACKS)
+    return Resume(epoch, delivered, rewind)

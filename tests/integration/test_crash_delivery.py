@@ -1,0 +1,156 @@
+"""Kill -9 the daemon again and again under two ranks of DataLoader workers: exactly once.
+
+The trainers never restart. Each daemon restart reloads job.json; the consumers notice the
+daemon went away (a request times out, or the pass is unknown), reconnect, resume the pass
+with the batch indices they already delivered, and drop wire duplicates by batch index.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from loaderd import crashpoints
+from loaderd.client import LoaderdDataset
+from loaderd.launch import start_daemon
+from tests.conftest import N_SAMPLES
+from tests.helpers import Daemon, wait_until
+
+pytestmark = pytest.mark.integration
+
+EPOCHS = 2
+BATCH = 8  # 480 / 2 ranks / 8 = 30 batches per rank and epoch
+
+
+def trainer(address: str, rank: int, counter: mp.Value, out: mp.Queue) -> None:
+    import time
+
+    ds = LoaderdDataset(
+        address,
+        job="crashy",
+        batch_size=BATCH,
+        rank=rank,
+        world_size=2,
+        seed=11,
+        timeout_s=1.0,
+        reconnect_s=30.0,
+    )
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got: list[list[int]] = []
+    for _ in range(EPOCHS):
+        ids: list[int] = []
+        for batch in loader:
+            ids += batch["id"].tolist()
+            ds.feedback(batch["id"], batch["label"].float())
+            with counter.get_lock():
+                counter.value += 1
+            time.sleep(0.01)  # a training step
+        got.append(ids)
+    ds.close()
+    out.put((rank, got))
+
+
+def run_trainers(d: Daemon, kill_at: list[int], on_kill) -> dict[int, list[list[int]]]:  # type: ignore[no-untyped-def]
+    ctx = mp.get_context("fork")
+    counter = ctx.Value("i", 0)
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=trainer, args=(d.address, r, counter, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for i, target in enumerate(kill_at):
+            wait_until(lambda t=target: counter.value >= t, 60, f"{target} batches")
+            on_kill(i)
+        results = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    return results
+
+
+def check_exactly_once(results: dict[int, list[list[int]]]) -> None:
+    for epoch in range(EPOCHS):
+        ids0, ids1 = results[0][epoch], results[1][epoch]
+        assert len(ids0) == len(set(ids0)), f"rank 0 saw a sample twice in epoch {epoch}"
+        assert len(ids1) == len(set(ids1)), f"rank 1 saw a sample twice in epoch {epoch}"
+        assert not set(ids0) & set(ids1)
+        assert sorted(ids0 + ids1) == list(range(N_SAMPLES)), f"epoch {epoch} lost samples"
+
+
+def final_cursor(d: Daemon) -> dict[str, object]:
+    from loaderd.client.connection import Connection
+    from loaderd.client.protocol import MsgType
+
+    with Connection(d.address, timeout_s=5) as conn:
+        return conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta["jobs"]["crashy"]
+
+
+def test_kill_9_at_20_random_points(daemon: Daemon) -> None:
+    rng = random.Random(1234)
+    total = EPOCHS * N_SAMPLES // BATCH
+    kill_at = sorted(rng.sample(range(1, total - 2), 20))
+
+    def kill(_: int) -> None:
+        daemon.kill()
+        daemon.start()
+
+    check_exactly_once(run_trainers(daemon, kill_at, kill))
+    job = final_cursor(daemon)
+    assert all(r["inflight"] == 0 and r["acked"] == r["batches"] for r in job["ranks"])
+
+
+def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon dies on its own at each named point, in the middle of the epochs."""
+    total = EPOCHS * N_SAMPLES // BATCH
+    # The first point to fire is the first pass opened (armed before the trainers start).
+    points = ["open-pass", *(p for p in crashpoints.POINTS if p != "open-pass")]
+    kill_at = [0, *(2 + k * (total - 10) // (len(points) - 1) for k in range(len(points) - 1))]
+    exits: list[int | None] = []
+
+    def arm(point: str) -> None:
+        daemon.stop()
+        monkeypatch.setenv("LOADERD_CRASH_AT", f"{point}:{1 if point == 'open-pass' else 3}")
+        # Not daemon.start(): it may well die before it answered the readiness PING.
+        daemon.proc = start_daemon(
+            daemon.db, daemon.address, state_dir=daemon.state_dir, log=daemon.log
+        )
+        monkeypatch.delenv("LOADERD_CRASH_AT")
+
+    def crash(i: int) -> None:
+        if i:
+            arm(points[i])
+        assert daemon.proc is not None
+        wait_until(lambda: daemon.proc.poll() is not None, 30, f"crash at {points[i]}")
+        exits.append(daemon.proc.returncode)
+        daemon.start()
+
+    arm(points[0])
+    check_exactly_once(run_trainers(daemon, kill_at, crash))
+    assert exits == [crashpoints.EXIT_STATUS] * len(points)
+    log = daemon.log.read_text()
+    for p in points:
+        assert f"crash point {p!r} reached" in log
+
+
+def test_state_survives_in_job_json(daemon: Daemon) -> None:
+    """The cursor a restarted daemon starts from: acked and in-flight batches per rank."""
+    import json
+
+    ds = LoaderdDataset(daemon.address, job="cur", batch_size=48, timeout_s=1.0)
+    it = iter(ds)
+    first = next(it)["id"].numpy().copy()  # shm views live until the next batch
+    daemon.kill()
+    saved = json.loads((daemon.state_dir / "jobs" / "cur" / "job.json").read_text())
+    rank = saved["ranks"][0]
+    assert rank["inflight"], "batches handed out are in job.json before they are sent"
+    daemon.start()
+    rest = np.concatenate([b["id"].numpy().copy() for b in it])
+    assert sorted(np.concatenate([first, rest]).tolist()) == list(range(N_SAMPLES))
+    assert ds.delivery.reconnects >= 1
