@@ -451,6 +451,20 @@ def test_tmp_is_not_pmem(tmp_path: Path) -> None:
         assert a.durability == probe
 
 
+@pytest.mark.nvram
+@pytest.mark.skipif(not os.environ.get("LOADERD_TEST_DAX"), reason="LOADERD_TEST_DAX not set")
+def test_dax_file_is_pmem_sync() -> None:
+    d = Path(tempfile.mkdtemp(prefix="loaderd-test-arena-", dir=os.environ["LOADERD_TEST_DAX"]))
+    try:
+        with Arena(d / "arena.bin", SMALL, FP) as a:
+            assert a.durability == "pmem-sync"
+            a.put(1, b"on pmem")
+        with Arena(d / "arena.bin", SMALL, FP) as a:
+            assert a.get(1) == b"on pmem"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # ---- snapshots -----------------------------------------------------------------------------
 
 
