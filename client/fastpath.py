@@ -100,7 +100,7 @@ def to_shared_tensors(batch: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
-            t = torch.empty(v.shape, dtype=v.dtype).share_memory_()
+            t = torch.empty(v.shape, dtype=v.dtype).share_memory_()  # type: ignore[no-untyped-call]
             t.copy_(v)
             v = t
         out[k] = v
