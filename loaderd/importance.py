@@ -40,7 +40,7 @@ __all__ = ["SAMPLERS", "ImportanceConfig", "ImportanceEngine"]
 SAMPLERS = ("uniform", "importance", "unbiased", "infobatch")
 _KINDS = ("train", "rescore")
 _MAX_EPOCH = 2**31 - 2  # epochs are stored as int32 per sample; -1 means "never"
-_STATE_FORMAT = 1
+_STATE_FORMAT = 2
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -180,7 +180,9 @@ class ImportanceEngine:
         self._config = config
         h = config.history
         self._ring = np.full((h, num_samples), np.nan, dtype=np.float32)
-        self._ring_epoch = np.full(h, -1, dtype=np.int64)  # which epoch each ring row holds
+        # Each sample keeps its own last h epochs of loss (row = its epoch count mod h), so a
+        # sample left out of training keeps the history it had instead of looking unknown.
+        self._slots = np.zeros(num_samples, dtype=np.int32)  # epochs recorded per sample
         self._last_loss = np.full(num_samples, np.nan, dtype=np.float32)
         self._last_epoch = np.full(num_samples, -1, dtype=np.int32)
         self._count = np.zeros(num_samples, dtype=np.int32)
@@ -219,8 +221,8 @@ class ImportanceEngine:
     ) -> None:
         """Ingest per-sample losses from training (or re-scoring) feedback.
 
-        Feedback for an epoch older than a sample's latest loss does not replace that loss, and
-        feedback for an epoch whose ring row was already reused only updates the count.
+        Feedback for an epoch older than a sample's latest loss does not replace that loss nor
+        its history; it only updates the count.
 
         Args:
             ids: 1-D integer sample ids in ``[0, N)``; a repeated id keeps its last loss.
@@ -261,14 +263,15 @@ class ImportanceEngine:
             )
         idx = ids_in.astype(np.intp, copy=False)
 
-        # Re-classify before this epoch's feedback can reuse a ring row the grouping still needs.
+        # Re-classify before this epoch's feedback can overwrite history the grouping needs.
         self._ensure_groups(epoch)
-        row = epoch % self._config.history
-        if self._ring_epoch[row] < epoch:
-            self._ring[row].fill(np.nan)
-            self._ring_epoch[row] = epoch
-        if self._ring_epoch[row] == epoch:
-            self._ring[row, idx] = loss
+        last = self._last_epoch[idx]
+        fresh = last < epoch  # a new epoch for the sample takes the next row of its ring
+        current = fresh | (last == epoch)  # feedback for an older epoch never rewrites history
+        idx_c, loss_c = (idx, loss) if current.all() else (idx[current], loss[current])
+        slots = self._slots[idx_c] + fresh[current]
+        self._ring[(slots - 1) % self._config.history, idx_c] = loss_c
+        self._slots[idx_c] = slots
 
         newer = self._last_epoch[idx] <= epoch
         if not newer.all():
@@ -445,13 +448,9 @@ class ImportanceEngine:
             self._regroup(at)
 
     def _regroup(self, at: int) -> None:
-        """Split samples by their loss variance over epochs ``[at - K, at)``."""
+        """Split samples by the variance of each one's last K recorded epochs of loss."""
         n = self._n
-        rows = np.flatnonzero(
-            (self._ring_epoch >= at - self._config.history) & (self._ring_epoch < at)
-        )
-        # Order does not matter to a variance; skip the [K, N] copy when every row is in the window.
-        var, seen = loss_variance(self._ring if rows.size == len(self._ring) else self._ring[rows])
+        var, seen = loss_variance(self._ring)
         known = seen >= 2
         known_var = var[known]
         known_var.sort()  # in place: a fresh copy is already in hand, don't let the split copy it
@@ -524,7 +523,7 @@ class ImportanceEngine:
             )
         h = self._config.history
         for name, dtype in _STATE_ARRAYS.items():
-            want = {"ring": (h, self._n), "ring_epoch": (h,), "split": (3,)}.get(name, (self._n,))
+            want = {"ring": (h, self._n), "split": (3,)}.get(name, (self._n,))
             got = arrays[name]
             if got.shape != want or not np.can_cast(got.dtype, dtype, casting="same_kind"):
                 raise ValueError(
@@ -543,7 +542,7 @@ class ImportanceEngine:
 # Per-sample (and ring) arrays in the persisted state, with their dtypes.
 _STATE_ARRAYS: dict[str, type[np.generic]] = {
     "ring": np.float32,
-    "ring_epoch": np.int64,
+    "slots": np.int32,
     "last_loss": np.float32,
     "last_epoch": np.int32,
     "count": np.int32,
