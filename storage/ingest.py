@@ -26,13 +26,15 @@ import xxhash
 from tqdm import tqdm
 
 from loaderd.storage.errors import SourceError
-from loaderd.storage.readers import (
+from loaderd.storage.file_sources import (
     IMAGE_EXTENSIONS,
-    ColumnBatch,
     ImageFolderSource,
     NpzSource,
-    Source,
     WebDatasetSource,
+)
+from loaderd.storage.readers import (
+    ColumnBatch,
+    Source,
     one_line,
     open_arrow_dataset,
     open_arrow_stream,
