@@ -11,10 +11,12 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from loaderd.client.curve import ClientKeys
 from loaderd.client.errors import DaemonUnavailableError, ProtocolError, RemoteError
 from loaderd.client.protocol import (
     MAX_FRAME_BYTES,
@@ -35,11 +37,20 @@ class Connection:
     Args:
         address: the daemon's endpoint (``ipc://...`` or ``tcp://...``).
         timeout_s: how long to wait for any reply before the daemon counts as gone.
+        curve_dir: a key directory (``loaderd keys generate``) for a daemon's CURVE-secured
+            ``tcp://`` endpoint: ``client.key_secret`` and the daemon's ``server.key``.
+
+    Raises:
+        KeyFileError: a key file in ``curve_dir`` is missing or unreadable.
     """
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = 30.0, curve_dir: str | Path | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.curve_dir = None if curve_dir is None else Path(curve_dir)
+        self._keys = None if self.curve_dir is None else ClientKeys.load(self.curve_dir)
         self._pid = -1
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
@@ -63,6 +74,8 @@ class Connection:
             # next request goes to whichever daemon binds the address again.
             sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+            if self._keys is not None:
+                self._keys.apply(sock)
             sock.connect(self.address)
             self._sock = sock
         return self._sock
@@ -170,7 +183,7 @@ class Connection:
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into DataLoader workers: only the address travels, never a socket.
-        return {"address": self.address, "timeout_s": self.timeout_s}
+        return {"address": self.address, "timeout_s": self.timeout_s, "curve_dir": self.curve_dir}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["address"], state["timeout_s"])  # type: ignore[misc]
+        self.__init__(state["address"], state["timeout_s"], state.get("curve_dir"))  # type: ignore[misc]

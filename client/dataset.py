@@ -17,6 +17,7 @@ import os
 import warnings
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         reconnect_s: how long to keep reconnecting when the daemon goes away in the middle of
             a pass (it restarts, and the pass continues where this consumer was); 0 raises
             DaemonUnavailableError at once.
+        curve_dir: the key directory for a ``tcp://`` daemon (``loaderd keys generate``):
+            this client's ``client.key_secret`` and the daemon's ``server.key``.
         shm: take batches through the daemon's shared-memory ring when it runs on this host
             (ipc:// addresses only; falls back to the socket when the ring cannot be mapped).
         device: a CUDA device to deliver batches on (``DeviceBuffering``: pinned staging
@@ -101,6 +104,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         prefetch: int = 4,
         timeout_s: float = 30.0,
         reconnect_s: float = 300.0,
+        curve_dir: str | Path | None = None,
         shm: bool = True,
         device: str | torch.device | None = None,
         buffers: int = 3,
@@ -122,7 +126,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"`rank` {self.rank} is outside [0, world_size={self.world_size})")
         self.prefetch = prefetch
-        self._conn = Connection(address, timeout_s)
+        self._conn = Connection(address, timeout_s, curve_dir)
         # Fast path (client/fastpath.py): shared memory for same-host daemons, device copies.
         self._shm = ShmReceiver(shm and address.startswith("ipc://"))
         self.device = check_device(device, buffers)

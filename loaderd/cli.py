@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-shm", action="store_true", help="send every batch over the socket, never via /dev/shm"
     )
     s.add_argument(
+        "--tcp", metavar="tcp://HOST:PORT", help="also serve other hosts here (needs --curve-dir)"
+    )
+    s.add_argument(
+        "--curve-dir",
+        type=Path,
+        help="CURVE keys for --tcp: server.key_secret and authorized/*.key (`loaderd keys`)",
+    )
+    s.add_argument(
         "--consumer-timeout",
         type=float,
         default=600.0,
@@ -108,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.png",
         help="draw each job's loss-variance and importance histograms (needs matplotlib)",
     )
+
+    k = sub.add_parser("keys", help="CURVE keys for serving over TCP")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    kg = ksub.add_parser("generate", help="write a server and a client keypair into DIR")
+    kg.add_argument("dir", type=Path)
 
     d = sub.add_parser("demo", help="generate a dataset, serve it, train on it, show the stats")
     d.add_argument("--dir", type=Path, default=Path("demo-data"), help="where to put the data")
@@ -163,6 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ),
         importance=ImportanceConfig.from_options(job_defaults, ImportanceConfig()),
         consumer_timeout_s=args.consumer_timeout,
+        tcp=args.tcp,
+        curve_dir=args.curve_dir,
     )
     from loaderd import crashpoints
 
@@ -223,4 +238,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, epochs=args.epochs, samples=args.samples, sampler=args.sampler)
 
 
-_COMMANDS = {"serve": cmd_serve, "ingest": cmd_ingest, "stats": cmd_stats, "demo": cmd_demo}
+def cmd_keys(args: argparse.Namespace) -> int:
+    """``loaderd keys generate DIR``."""
+    from loaderd.auth import generate_keys
+
+    paths = generate_keys(args.dir)
+    print(f"server public key: {paths['server']} (give it to clients)")
+    print(f"server secret key: {paths['server_secret']} (stays here)")
+    print(f"client keypair:    {paths['client_secret']} (authorized in {paths['authorized']})")
+    return 0
+
+
+_COMMANDS = {
+    "keys": cmd_keys,
+    "serve": cmd_serve,
+    "ingest": cmd_ingest,
+    "stats": cmd_stats,
+    "demo": cmd_demo,
+}

@@ -86,6 +86,9 @@ class DaemonConfig:
     # A consumer silent this long is gone and its batches go back to its rank (a local
     # consumer whose process exited is noticed at once, see loaderd.consumers).
     consumer_timeout_s: float = 600.0
+    # A second, authenticated endpoint for other hosts: tcp:// with CURVE keys (loaderd.auth).
+    tcp: str | None = None
+    curve_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.socket.startswith(("ipc://", "tcp://", "inproc://")):

@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from loaderd import __version__, crashpoints
+from loaderd.auth import CurveServer
 from loaderd.client.errors import ErrorCode, ProtocolError
 from loaderd.client.protocol import (
     MAX_FRAME_BYTES,
@@ -145,8 +146,15 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
         set_heartbeats(self.sock)
+        self._curve = secure_tcp(config)  # before binding anything: refuse to start unsafely
         self.sock.bind(config.socket)
         self._local = config.socket.startswith(("ipc://", "inproc://"))  # peers' pids are ours
+        if self._curve is not None and config.tcp is not None:
+            # The ipc endpoint is bound already and keeps the NULL mechanism: libzmq copies a
+            # socket's security options into each endpoint at bind time.
+            self._curve.secure(self.ctx, self.sock)
+            self.sock.bind(config.tcp)
+            logger.info("also serving %s (CURVE, ZAP)", config.tcp)
         if self.ipc_path is not None:
             os.chmod(self.ipc_path, 0o600)
         self._handlers: dict[MsgType, Callable[[bytes, Message], Message | None]] = {
@@ -240,6 +248,8 @@ class Server:
         if self.sock.closed:
             return
         self.sock.close()
+        if self._curve is not None:
+            self._curve.close()
         self.ctx.term()
         self.prefetcher.close()
         self.shm.close()
@@ -272,6 +282,8 @@ class Server:
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         identity, body = frames[0].bytes, frames[1:]
+        if self._curve is not None:
+            self._local = not is_curve_peer(frames[-1])  # a remote pid means nothing here
         try:
             msg = decode(body)
             check_request(msg)
@@ -518,6 +530,38 @@ def set_heartbeats(sock: zmq.Socket[Any], ivl_ms: int = 2000, timeout_ms: int = 
     sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
     sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
+
+
+def secure_tcp(config: DaemonConfig) -> CurveServer | None:
+    """The CURVE server for ``config.tcp``, or None; refuses TCP without keys.
+
+    Raises:
+        ValueError: TCP without a key directory (CURVE without an authenticator admits any
+            key, and no CURVE admits anybody).
+    """
+    if config.socket.startswith("tcp://"):
+        raise ValueError(
+            f"refusing to serve {config.socket} unauthenticated: bind ipc:// with --socket "
+            "and add --tcp tcp://HOST:PORT --curve-dir DIR"
+        )
+    if config.tcp is None:
+        return None
+    if not config.tcp.startswith("tcp://"):
+        raise ValueError(f"`tcp` must be a tcp:// address, got {config.tcp!r}")
+    if config.curve_dir is None:
+        raise ValueError(
+            f"refusing to serve {config.tcp} without CURVE keys: add --curve-dir DIR "
+            "(`loaderd keys generate DIR` writes one)"
+        )
+    return CurveServer(config.curve_dir)
+
+
+def is_curve_peer(frame: zmq.Frame) -> bool:
+    """Whether a message came over a CURVE connection (ZAP set its User-Id)."""
+    try:
+        return bool(frame.get("User-Id"))
+    except zmq.ZMQError:
+        return False
 
 
 def parse_resume(value: Any) -> Resume | None:
