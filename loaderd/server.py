@@ -287,7 +287,12 @@ class Server:
         try:
             msg = decode(body)
             check_request(msg)
-            reply = self._handlers[msg.type](identity, msg)
+            handler = self._handlers.get(msg.type)
+            if handler is None:  # a request of a newer protocol, or of a part not built in
+                raise JobError(
+                    f"this daemon does not handle {msg.type.name}", ErrorCode.UNKNOWN_TYPE
+                )
+            reply = handler(identity, msg)
         except ProtocolError as e:
             reply = error_message(peek_request_id(body), ErrorCode.BAD_MESSAGE, str(e))
         except JobError as e:
