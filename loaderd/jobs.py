@@ -26,6 +26,7 @@ from loaderd.planner import RankPlan, plan_pass
 logger = logging.getLogger(__name__)
 
 PHASES = ("train", "rescore")
+MAX_WORLD_SIZE = 1 << 16
 
 
 class JobError(ValueError):
@@ -63,8 +64,8 @@ class JobSpec:
         """Validate the numbers (ValueError naming the field)."""
         if not self.name or len(self.name) > 128 or "/" in self.name or self.name.startswith("."):
             raise JobError(f"job name {self.name!r} must be 1-128 characters without '/'")
-        if self.world_size < 1:
-            raise JobError(f"`world_size` must be >= 1, got {self.world_size}")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:  # checked before passes are allocated
+            raise JobError(f"`world_size` must be in [1, {MAX_WORLD_SIZE}], got {self.world_size}")
         if not 1 <= self.batch_size <= max_batch_size:
             raise JobError(f"`batch_size` must be in [1, {max_batch_size}], got {self.batch_size}")
 
