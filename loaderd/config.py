@@ -32,13 +32,37 @@ def parse_size(text: str | int) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CacheConfig:
-    """The cache tiers in front of the store."""
+    """The cache tiers in front of the store (see ``storage/tiers.py``)."""
 
     dram_bytes: int = 2 << 30
+    nvram_dir: Path | None = None  # where the arena file lives; None: no NVRAM tier
+    nvram_bytes: int = 8 << 30  # the arena file's size, snapshot region included
+    snapshot_bytes: int | None = None  # the snapshot region (two slots); None: a quarter
+    policy: str = "importance"
 
     def __post_init__(self) -> None:
+        from loaderd.storage.policies import POLICIES
+
         if self.dram_bytes < 0:
             raise ValueError(f"`dram_bytes` must be >= 0, got {self.dram_bytes}")
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"`cache_policy` must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
+        if self.nvram_bytes < 1 << 20:
+            raise ValueError(f"`nvram_bytes` must be at least 1 MiB, got {self.nvram_bytes}")
+        snap = self.snapshot_bytes
+        if snap is not None and not (snap == 0 or 16384 <= snap <= self.nvram_bytes // 2):
+            raise ValueError(
+                f"`snapshot_bytes` must be 0 or in [16 KiB, nvram_bytes / 2], got {snap}"
+            )
+
+    @property
+    def snapshot_region_bytes(self) -> int:
+        """Bytes of the arena reserved for the two snapshot slots."""
+        if self.snapshot_bytes is not None:
+            return self.snapshot_bytes
+        return self.nvram_bytes // 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -429,6 +429,37 @@ class Arena:
         with self._lock:
             return np.fromiter(self._index, dtype=np.int64, count=len(self._index))
 
+    def sizes(self) -> dict[int, int]:
+        """Return each held sample's payload length (read from the record headers)."""
+        with self._lock:
+            self._check_open()
+            out: dict[int, int] = {}
+            for sample_id, (off, _) in self._index.items():
+                rec = self._parse(off)
+                if rec is not None:
+                    out[sample_id] = rec.length
+            return out
+
+    def ahead(self, nbytes: int) -> list[int]:
+        """Return the ids of live records that appending ``nbytes`` would overwrite.
+
+        The ring evicts in write order, whatever a placement policy wants; a caller that
+        wants to keep such records appends them again first (compaction by relocation).
+
+        Args:
+            nbytes: Bytes about to be appended (record extents, headers included).
+        """
+        with self._lock:
+            self._check_open()
+            out: list[int] = []
+            # The caller adds a margin for the room a wrap wastes at the end of the log.
+            for off, _extent, sample_id, seq in self._ring:
+                if (off - self._head) % self._log_bytes >= nbytes:
+                    break
+                if self._index.get(sample_id) == (off, seq):
+                    out.append(sample_id)
+            return out
+
     @property
     def capacity_bytes(self) -> int:
         """Bytes of the log, the space records (with their headers) can use."""

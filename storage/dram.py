@@ -56,6 +56,14 @@ class DramCache:
             self.used_bytes += size
             return True
 
+    def discard(self, sample_id: int) -> bytes | None:
+        """Remove a record without counting an eviction; returns it, or None if absent."""
+        with self._lock:
+            rec = self._items.pop(sample_id, None)
+            if rec is not None:
+                self.used_bytes -= len(rec)
+            return rec
+
     def __contains__(self, sample_id: int) -> bool:
         return sample_id in self._items
 

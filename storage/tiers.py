@@ -1,56 +1,394 @@
-"""The tier stack: the only code that knows the order in which tiers are searched.
+"""The tier stack, DRAM then the NVRAM arena then LMDB: the only code that knows tier order.
 
-A read walks DRAM first, then the LMDB store; a record read from the store is verified and
-admitted to DRAM. The daemon only ever calls ``get_many``, so tiers and admission policies can
-change here without the daemon noticing.
+A read looks each id up in the placement policy (``policies.py``), takes DRAM hits from memory,
+reads arena hits (verified against their checksums: a bad record is dropped, counted and read
+from the store instead, so the trainer never sees wrong bytes) and reads the rest from the
+store, which verifies them too. Then the policy hears of every access and answers with moves
+(admit, drop, promote, demote): DRAM moves happen at once, arena writes go to a background
+writer that batches them into ``put_many``, so the serving path never waits on a flush. Until
+it is written, a record queued for the arena is served from the write queue.
+
+The arena is a ring log that overwrites its oldest records. Before a batch is appended, the
+writer re-appends the live records the policy still wants that the batch would overwrite
+(compaction by relocation); the policy is told of any record the ring takes anyway.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import numpy as np
 
+from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache
+from loaderd.storage.errors import StorageError
+from loaderd.storage.policies import ARENA, DRAM, Move, Policy, make_policy
 from loaderd.storage.store import SampleStore
 
 logger = logging.getLogger(__name__)
 
+# Share of the arena's log the policy may fill: the rest is slack for the ring's dead records,
+# so that relocating live records ahead of the head stays cheap (write amplification <= 4).
+ARENA_FILL: Final = 0.75
+_WRITE_QUEUE_BYTES: Final = 64 << 20  # arena admissions beyond this are skipped, not queued
+_WRITE_BATCH_BYTES: Final = 8 << 20
+
+Ranking = Callable[[], "np.ndarray | None"]
+
 
 class TierStack:
-    """DRAM in front of the LMDB store.
+    """DRAM and an optional NVRAM arena in front of the LMDB store.
+
+    Thread-safe. A context manager; ``close`` flushes queued arena writes.
 
     Args:
         store: the backing store (the source of truth).
-        dram: the DRAM tier.
+        dram: the DRAM tier, or its capacity in bytes.
+        arena: the NVRAM arena, or None for DRAM only. Its surviving records are served at
+            once (a warm restart).
+        policy: ``importance`` (default), ``lru`` or ``static`` (see ``policies.py``).
     """
 
-    def __init__(self, store: SampleStore, dram: DramCache) -> None:
+    def __init__(
+        self,
+        store: SampleStore,
+        dram: DramCache | int,
+        arena: Arena | None = None,
+        *,
+        policy: str = "importance",
+    ) -> None:
         self.store = store
-        self.dram = dram
+        self.dram = dram if isinstance(dram, DramCache) else DramCache(dram)
+        self.arena = arena
+        self.record_bytes = max(1, store.total_bytes // max(store.num_samples, 1))
+        caps = [self.dram.capacity_bytes]
+        if arena is not None:
+            # The policy counts payload bytes; the log also holds each record's header.
+            per = self.record_bytes / record_extent(self.record_bytes)
+            caps.append(int(arena.capacity_bytes * ARENA_FILL * per))
+        self.policy: Policy = make_policy(
+            policy, caps, max(store.num_samples, 1), self.record_bytes
+        )
+        self._lock = threading.Lock()
+        self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
+        self._pending: dict[int, bytes] = {}  # queued for the arena, served from here
+        self._pending_bytes = 0
+        self.skipped_writes = 0
+        self.relocated = 0
+        self.write_errors = 0
+        self.placements = 0
+        self._wake = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._idle = True
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        if arena is not None:
+            adopted = sum(self.policy.adopt(i, n, ARENA) for i, n in sorted(arena.sizes().items()))
+            if adopted < len(arena):
+                logger.info("arena holds %d records, the policy kept %d", len(arena), adopted)
+            self._writer = threading.Thread(
+                target=self._run_writer, name="loaderd-arena-writer", daemon=True
+            )
+            self._writer.start()
+
+    # ---- reads -----------------------------------------------------------------------------
 
     def get_many(self, ids: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Verified records for ids, in order, from the fastest tier that holds each."""
-        out: list[bytes | None] = [self.dram.get(int(i)) for i in ids]
-        missing = [k for k, rec in enumerate(out) if rec is None]
+        """Verified records for ids, in order, from the fastest tier that holds each.
+
+        Raises:
+            KeyError: an id is not in the store.
+            CorruptRecordError: the store's own copy is bad (a tier's bad copy is skipped).
+        """
+        keys = [int(i) for i in ids]
+        got: dict[int, bytes] = {}
+        found: dict[int, int | None] = {}
+        in_arena: list[int] = []
+        with self._lock:
+            for sid in dict.fromkeys(keys):
+                tier = self.policy.lookup(sid)
+                if tier == DRAM:
+                    rec = self.dram.get(sid)
+                elif tier == ARENA:
+                    rec = self._pending.get(sid)
+                    if rec is None:
+                        in_arena.append(sid)
+                        continue
+                else:
+                    continue
+                if rec is not None:
+                    got[sid], found[sid] = rec, tier
+        if in_arena:
+            assert self.arena is not None
+            for sid in in_arena:
+                rec = self.arena.get(sid)  # verified; a bad record is dropped and counted
+                if rec is not None:
+                    got[sid], found[sid] = rec, ARENA
+        missing = [sid for sid in dict.fromkeys(keys) if sid not in got]
         if missing:
-            fetched = self.store.get_many([int(ids[k]) for k in missing])
-            for k, rec in zip(missing, fetched, strict=True):
-                out[k] = rec
-                self.dram.put(int(ids[k]), rec)
-        return out  # type: ignore[return-value]  # every None was filled above
+            got.update(zip(missing, self.store.get_many(missing), strict=True))
+        with self._lock:
+            for sid in missing:
+                if self.policy.lookup(sid) == ARENA and not self._in_arena(sid):
+                    self.policy.forget(sid)  # the arena lost it (bad checksum, ring)
+            moves: list[Move] = []
+            for sid in keys:
+                moves += self.policy.access(sid, len(got[sid]), found.get(sid))
+                found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
+            self._apply(moves, got)
+        return [got[sid] for sid in keys]
+
+    def _in_arena(self, sid: int) -> bool:
+        return sid in self._pending or (self.arena is not None and sid in self.arena)
+
+    # ---- placement -------------------------------------------------------------------------
+
+    def place(self, ranking: np.ndarray | None) -> None:
+        """Re-place by a ranking (ids, most important first) now; see the policy.
+
+        Promotions read the arena; demotions queue arena writes.
+        """
+        with self._lock:
+            moves = self.policy.place(ranking)
+            self.placements += 1
+            self._apply(moves, {})
+        if moves:
+            logger.info("placement: %d records moved between tiers", len(moves))
+
+    def place_async(self, ranking: Ranking) -> None:
+        """Compute a ranking and place it on the background thread (inline without an arena)."""
+        if self._writer is None:
+            self.place(ranking())
+            return
+        with self._wake:
+            self._ops.append(("place", ranking, None))
+            self._wake.notify()
+
+    def _apply(self, moves: list[Move], have: dict[int, bytes]) -> None:
+        """Carry out a policy's moves (the lock is held)."""
+        for kind, sid, tier in moves:
+            if kind == "admit":
+                rec = have[sid]
+                if tier == DRAM:
+                    self.dram.put(sid, rec)
+                elif not self._queue_put(sid, rec):
+                    self.policy.forget(sid)
+            elif kind == "drop":
+                if tier == DRAM:
+                    self.dram.discard(sid)
+                else:
+                    self._queue_discard(sid)
+            elif kind == "promote":
+                got = have.get(sid) or self._pending.get(sid)
+                if got is None and self.arena is not None:
+                    got = self.arena.get(sid)
+                if got is None:
+                    self.policy.forget(sid)
+                    continue
+                self.dram.put(sid, got)
+                self._queue_discard(sid)
+            else:  # demote
+                demoted = self.dram.discard(sid) or have.get(sid)
+                if demoted is None or not self._queue_put(sid, demoted):
+                    self.policy.forget(sid)
+
+    # ---- the arena writer ------------------------------------------------------------------
+
+    def _queue_put(self, sid: int, rec: bytes) -> bool:
+        if self.arena is None or self._pending_bytes + len(rec) > _WRITE_QUEUE_BYTES:
+            self.skipped_writes += 1
+            return False
+        old = self._pending.pop(sid, None)
+        if old is not None:
+            self._pending_bytes -= len(old)
+        self._pending[sid] = rec
+        self._pending_bytes += len(rec)
+        self._ops.append(("put", sid, rec))
+        self._wake.notify()
+        return True
+
+    def _queue_discard(self, sid: int) -> None:
+        old = self._pending.pop(sid, None)
+        if old is not None:
+            self._pending_bytes -= len(old)
+        self._ops.append(("discard", sid, None))
+        self._wake.notify()
+
+    def _run_writer(self) -> None:
+        while True:
+            with self._wake:
+                while not self._ops and not self._stop.is_set():
+                    self._idle = True
+                    self._wake.notify_all()
+                    self._wake.wait(timeout=1.0)
+                if not self._ops:
+                    self._idle = True
+                    self._wake.notify_all()
+                    return
+                self._idle = False
+                ops = list(self._ops)
+                self._ops.clear()
+            try:
+                self._write(ops)
+            except Exception:
+                self.write_errors += 1
+                logger.exception("arena writer: a batch failed; its records stay uncached")
+                with self._lock:
+                    for kind, sid, rec in ops:
+                        if kind == "put" and self._pending.get(sid) is rec:
+                            self._unpend(sid)
+                            self.policy.forget(sid)
+
+    def _unpend(self, sid: int) -> None:
+        rec = self._pending.pop(sid)
+        self._pending_bytes -= len(rec)
+
+    def _write(self, ops: list[tuple[str, Any, Any]]) -> None:
+        arena = self.arena
+        assert arena is not None
+        batch: list[tuple[int, bytes]] = []
+        size = 0
+        for kind, sid, arg in ops:
+            if kind == "put":
+                batch.append((sid, arg))
+                size += record_extent(len(arg))
+                if size >= _WRITE_BATCH_BYTES:
+                    self._put_batch(batch)
+                    batch, size = [], 0
+                continue
+            self._put_batch(batch)
+            batch, size = [], 0
+            if kind == "discard":
+                with self._lock:
+                    if sid not in self._pending:  # a later put of it is still queued
+                        arena.discard(sid)
+            else:  # place: ``sid`` is the function that computes the ranking
+                self.place(sid())
+        self._put_batch(batch)
+
+    def _put_batch(self, batch: list[tuple[int, bytes]]) -> None:
+        if not batch:
+            return
+        arena = self.arena
+        assert arena is not None
+        with self._lock:
+            # Only records still wanted in the arena and not replaced since they were queued.
+            batch = [(s, r) for s, r in batch if self._pending.get(s) is r]
+        if not batch:
+            return
+        need = sum(record_extent(len(r)) for _, r in batch)
+        margin = record_extent(self.record_bytes) * 4
+        moving: dict[int, bytes] = {}
+        for _ in range(8):  # relocating records takes room too: look again, a few times
+            extra = sum(record_extent(len(r)) for r in moving.values())
+            with self._lock:
+                wanted = [
+                    s
+                    for s in arena.ahead(need + extra + margin)
+                    if s not in moving and self.policy.lookup(s) == ARENA and s not in self._pending
+                ]
+            if not wanted:
+                break
+            for s in wanted:
+                rec = arena.get(s)
+                if rec is not None:
+                    moving[s] = rec
+        self.relocated += len(moving)
+        items = list(moving.items()) + batch
+        try:
+            evicted = arena.put_many(items)
+        finally:
+            with self._lock:
+                for s, r in batch:
+                    if self._pending.get(s) is r:
+                        self._unpend(s)
+        with self._lock:
+            for s in evicted:
+                if self.policy.lookup(s) == ARENA and not self._in_arena(s):
+                    self.policy.forget(s)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued arena work is written; False on timeout."""
+        with self._wake:
+            return self._wake.wait_for(lambda: self._idle and not self._ops, timeout=timeout_s)
+
+    # ---- stats and lifecycle ---------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """``cache`` (all tiers together), ``tiers`` (each) and ``backing`` (the store)."""
-        dram = self.dram.stats()
+        """``cache`` (all tiers together), ``tiers`` (each), ``backing`` (the store), ``policy``."""
+        with self._lock:
+            tiers: list[dict[str, Any]] = []
+            for t in range(len(self.policy.capacities)):
+                s: dict[str, Any] = {"name": "dram" if t == DRAM else "nvram"}
+                s.update(self.policy.stats(t))
+                s["corrupt_dropped"] = 0
+                lookups = s["hits"] + s["misses"]
+                s["hit_rate"] = s["hits"] / lookups if lookups else 0.0
+                tiers.append(s)
+            pending = len(self._pending)
+        if self.arena is not None:
+            a = self.arena.stats()
+            tiers[ARENA].update(
+                {
+                    "corrupt_dropped": a["corrupt_dropped"],
+                    "path": a["path"],
+                    "durability": a["durability"],
+                    "recovered_items": a["recovered_items"],
+                    "recovery_dropped": a["recovery_dropped"],
+                    "rebuilt": a["rebuilt"],
+                    "file_bytes": a["file_bytes"],
+                    "log_bytes": a["capacity_bytes"],
+                    "log_used_bytes": a["used_bytes"],
+                    "ring_evictions": a["evictions"],
+                    "pending_writes": pending,
+                    "relocated": self.relocated,
+                    "skipped_writes": self.skipped_writes,
+                    "write_errors": self.write_errors,
+                }
+            )
+        hits = sum(t["hits"] for t in tiers)
+        misses = tiers[-1]["misses"]
+        cache = {
+            "capacity_bytes": sum(t["capacity_bytes"] for t in tiers),
+            "used_bytes": sum(t["used_bytes"] for t in tiers),
+            "items": sum(t["items"] for t in tiers),
+            "hits": hits,
+            "misses": misses,
+            "evictions": sum(t["evictions"] for t in tiers),
+            "corrupt_dropped": sum(t["corrupt_dropped"] for t in tiers),
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "policy": self.policy.name,
+            "placements": self.placements,
+        }
         return {
-            "cache": {k: v for k, v in dram.items() if k != "name"},
-            "tiers": [dram],
+            "cache": cache,
+            "tiers": tiers,
             "backing": {"reads": self.store.reads, "bytes_read": self.store.bytes_read},
         }
 
     def close(self) -> None:
-        """Close the store (safe to call twice)."""
+        """Write what is queued, then close the arena and the store (safe to call twice)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._stop.set()
+            with self._wake:
+                self._wake.notify_all()
+            self._writer.join(timeout=60)
+        if self.arena is not None:
+            try:
+                self.arena.close()
+            except StorageError as e:
+                logger.warning("closing the arena: %s", e)
         self.store.close()
+
+    def __enter__(self) -> TierStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

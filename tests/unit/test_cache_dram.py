@@ -125,16 +125,16 @@ def test_tier_stack_serves_the_store_bytes_and_counts(store_path: Path) -> None:
         ids = np.array([5, 9, 5, 42])
         assert stack.get_many(ids) == [truth[i] for i in ids]
         s = stack.stats()
-        # every lookup went to DRAM first; 5 was not yet admitted when looked up twice
-        assert s["cache"]["misses"] == 4 and s["cache"]["hits"] == 0
-        assert s["backing"]["reads"] == 4
+        # a repeated id within one call is read once, and its repeat is a hit
+        assert s["cache"]["misses"] == 3 and s["cache"]["hits"] == 1
+        assert s["backing"]["reads"] == 3
         assert "name" not in s["cache"] and s["tiers"][0]["name"] == "dram"
 
         assert stack.get_many([42, 9, 77]) == [truth[42], truth[9], truth[77]]
         s = stack.stats()
-        assert (s["cache"]["hits"], s["cache"]["misses"]) == (2, 5)
-        assert s["backing"]["reads"] == 5  # only 77 went to the store
-        assert s["backing"]["bytes_read"] == sum(len(truth[i]) for i in (5, 9, 5, 42, 77))
+        assert (s["cache"]["hits"], s["cache"]["misses"]) == (3, 4)
+        assert s["backing"]["reads"] == 4  # only 77 went to the store
+        assert s["backing"]["bytes_read"] == sum(len(truth[i]) for i in (5, 9, 42, 77))
         assert s["cache"]["items"] == 4
     finally:
         stack.close()
@@ -154,7 +154,7 @@ def test_tier_stack_with_a_full_cache_still_serves_everything(store_path: Path) 
         s = stack.stats()
         assert s["cache"]["used_bytes"] <= smallest * 2
         assert s["cache"]["hits"] + s["cache"]["misses"] == 300
-        assert s["backing"]["reads"] == s["cache"]["misses"]
+        assert s["backing"]["reads"] <= s["cache"]["misses"]  # repeats in a call: one read
     finally:
         stack.close()
 
@@ -164,8 +164,9 @@ def test_tier_stack_with_zero_capacity_reads_through(store_path: Path) -> None:
     try:
         stack.get_many([1, 1, 2])
         stack.get_many([1])
-        assert stack.stats()["backing"]["reads"] == 4
+        assert stack.stats()["backing"]["reads"] == 3  # the repeat within a call is read once
         assert stack.stats()["cache"]["hits"] == 0
+        assert stack.stats()["cache"]["misses"] == 4
     finally:
         stack.close()
 

@@ -1,0 +1,328 @@
+"""Placement policies of the tier stack: which sample lives in which tier, as bookkeeping only.
+
+A policy never touches bytes. It keeps, per tier (0 = DRAM, 1 = the NVRAM arena), which ids
+it holds and how many bytes they take, answers ``lookup`` and, for every demand access and
+every re-ranking, returns the moves the tier stack must carry out::
+
+    ("admit", id, tier)    put the record just read into ``tier``
+    ("drop", id, tier)     remove it from ``tier``
+    ("promote", id, 0)     move it from the arena to DRAM
+    ("demote", id, 1)      move it from DRAM to the arena
+
+Tiers are exclusive: an id is held by at most one tier, so the total capacity is the sum of
+the tiers'. Because policies are pure bookkeeping, the cache benchmark replays id traces
+through these very classes, and the daemon's tier stack applies the same decisions to bytes.
+
+* ``importance`` (default, seed 002): ``place(ranking)`` at each epoch boundary decides the
+  target tier of every sample (the top of the ranking in DRAM, the next in the arena). Within
+  an epoch the placement is static: a miss of a targeted sample fills its slot, evicting a
+  sample the ranking no longer wants; a miss of any other sample is served from below and
+  changes nothing. Before the first ranking it behaves like ``static``.
+* ``lru``: an exclusive two-level LRU; a miss enters DRAM, DRAM's victims are demoted to the
+  arena, the arena's are dropped; an arena hit is promoted to DRAM.
+* ``static``: fill once, never evict (the known remedy for LRU thrashing under random access).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import ClassVar, Final
+
+import numpy as np
+
+Move = tuple[str, int, int]
+
+DRAM: Final = 0
+ARENA: Final = 1
+POLICIES: Final = ("importance", "lru", "static")
+
+
+class _Unset:
+    pass
+
+
+_UNSET: Final = _Unset()
+
+
+class Policy:
+    """Common bookkeeping: what each tier holds, its bytes and its counters.
+
+    Args:
+        capacities: bytes of each tier, fastest first (DRAM, then the arena); 0 disables one.
+        num_samples: N, the dataset size (ids are ``0 .. N-1``).
+        record_bytes: the typical record size, used to turn a byte capacity into a count of
+            samples when a ranking is placed.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, capacities: Sequence[int], num_samples: int, record_bytes: int) -> None:
+        if any(c < 0 for c in capacities):
+            raise ValueError(f"`capacities` must be >= 0, got {list(capacities)}")
+        if record_bytes <= 0:
+            raise ValueError(f"`record_bytes` must be positive, got {record_bytes}")
+        self.capacities = list(capacities)
+        self.num_samples = num_samples
+        self.record_bytes = record_bytes
+        n = len(self.capacities)
+        self.used = [0] * n
+        self.held: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(n)]
+        self.hits = [0] * n
+        self.misses = [0] * n
+        self.evictions = [0] * n
+        self.promotions = [0] * n
+        self.demotions = [0] * n
+        self._where: dict[int, int] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def lookup(self, sample_id: int) -> int | None:
+        """The tier that holds ``sample_id``, or None."""
+        return self._where.get(sample_id)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def room(self, tier: int, size: int) -> bool:
+        """Whether ``size`` more bytes fit in ``tier`` without evicting anything."""
+        return self.used[tier] + size <= self.capacities[tier]
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def access(self, sample_id: int, size: int, found: int | _Unset | None = _UNSET) -> list[Move]:
+        """Count a demand access and return the moves it causes.
+
+        Args:
+            sample_id: the id read.
+            size: its record's size in bytes.
+            found: the tier the record was actually read from (None: the store), when the
+                caller read it before asking (a concurrent move may have changed the
+                placement since); by default, where the policy holds it now.
+
+        Returns:
+            Moves for the tier stack, in the order they must be applied.
+        """
+        tier = self._where.get(sample_id)
+        src = tier if isinstance(found, _Unset) else found
+        top = len(self.capacities) if src is None else src
+        for t in range(top):
+            self.misses[t] += 1
+        if src is not None:
+            self.hits[src] += 1
+        if tier is None:
+            return self._miss(sample_id, size)
+        return self._hit(sample_id, tier)
+
+    def place(self, ranking: np.ndarray | None) -> list[Move]:
+        """Take a new ranking (ids, most important first); only ``importance`` uses it."""
+        return []
+
+    def adopt(self, sample_id: int, size: int, tier: int) -> bool:
+        """Register a record a tier already holds (a warm restart); False if it does not fit."""
+        if sample_id in self._where or not self.room(tier, size):
+            return False
+        self._add(sample_id, size, tier)
+        return True
+
+    def forget(self, sample_id: int) -> None:
+        """A tier lost the record (a bad checksum, or the arena's ring overwrote it)."""
+        tier = self._where.get(sample_id)
+        if tier is not None:
+            self._remove(sample_id)
+            self.evictions[tier] += 1
+
+    # ---- for subclasses --------------------------------------------------------------------
+
+    def _hit(self, sample_id: int, tier: int) -> list[Move]:
+        return []
+
+    def _miss(self, sample_id: int, size: int) -> list[Move]:
+        for t in range(len(self.capacities)):
+            if self.room(t, size):
+                self._add(sample_id, size, t)
+                return [("admit", sample_id, t)]
+        return []
+
+    def _add(self, sample_id: int, size: int, tier: int) -> None:
+        self.held[tier][sample_id] = size
+        self.used[tier] += size
+        self._where[sample_id] = tier
+
+    def _remove(self, sample_id: int) -> int:
+        tier = self._where.pop(sample_id)
+        self.used[tier] -= self.held[tier].pop(sample_id)
+        return tier
+
+    def _move(self, sample_id: int, to: int) -> Move:
+        frm = self._where[sample_id]
+        size = self.held[frm][sample_id]
+        self._remove(sample_id)
+        self._add(sample_id, size, to)
+        kind = "promote" if to < frm else "demote"
+        counter = self.promotions if to < frm else self.demotions
+        counter[frm] += 1
+        counter[to] += 1
+        return (kind, sample_id, to)
+
+    def stats(self, tier: int) -> dict[str, int]:
+        """One tier's occupancy and counters."""
+        return {
+            "capacity_bytes": self.capacities[tier],
+            "used_bytes": self.used[tier],
+            "items": len(self.held[tier]),
+            "hits": self.hits[tier],
+            "misses": self.misses[tier],
+            "evictions": self.evictions[tier],
+            "promotions": self.promotions[tier],
+            "demotions": self.demotions[tier],
+        }
+
+
+class StaticPolicy(Policy):
+    """Fill the tiers in order of first access, then never evict."""
+
+    name = "static"
+
+
+class LruPolicy(Policy):
+    """Exclusive two-level LRU: misses enter DRAM, victims fall to the arena, then out."""
+
+    name = "lru"
+
+    def _hit(self, sample_id: int, tier: int) -> list[Move]:
+        if tier == DRAM or self.capacities[DRAM] < self.held[tier][sample_id]:
+            self.held[tier].move_to_end(sample_id)
+            return []
+        moves = [self._move(sample_id, DRAM)]
+        return moves + self._overflow(DRAM, keep=sample_id)
+
+    def _miss(self, sample_id: int, size: int) -> list[Move]:
+        for t, cap in enumerate(self.capacities):
+            if size <= cap:
+                self._add(sample_id, size, t)
+                return [("admit", sample_id, t), *self._overflow(t, keep=sample_id)]
+        return []
+
+    def _overflow(self, tier: int, keep: int) -> list[Move]:
+        """Push the least recently used records of ``tier`` down until it fits."""
+        moves: list[Move] = []
+        below = tier + 1 if tier + 1 < len(self.capacities) else None
+        while self.used[tier] > self.capacities[tier]:
+            victim, size = next(iter(self.held[tier].items()))
+            if victim == keep:  # the newcomer alone is too big: nothing else to push out
+                break
+            if below is not None and size <= self.capacities[below]:
+                moves.append(self._move(victim, below))
+                moves += self._overflow(below, keep=victim)
+            else:
+                self._remove(victim)
+                self.evictions[tier] += 1
+                moves.append(("drop", victim, tier))
+        return moves
+
+
+class ImportancePolicy(Policy):
+    """Seed 002's static cache: placed by importance at epoch boundaries, fixed in between."""
+
+    name = "importance"
+
+    def __init__(self, capacities: Sequence[int], num_samples: int, record_bytes: int) -> None:
+        super().__init__(capacities, num_samples, record_bytes)
+        self._target: np.ndarray | None = None  # tier per id, -1: not cached; None: no ranking
+        # Held records the current ranking no longer wants in their tier, oldest first.
+        self._spare: list[dict[int, None]] = [{} for _ in self.capacities]
+
+    def target(self, sample_id: int) -> int | None:
+        """The tier the latest ranking puts ``sample_id`` in (-1: none; None: no ranking yet)."""
+        return None if self._target is None else int(self._target[sample_id])
+
+    def place(self, ranking: np.ndarray | None) -> list[Move]:
+        """Re-place for a new epoch: DRAM gets the top of ``ranking``, the arena the next.
+
+        Records already cached move between tiers when their target changed (cheap: no read
+        from the store). Records the ranking drops stay until a targeted sample needs their
+        room, so a ranking that changes little costs little.
+
+        Args:
+            ranking: sample ids, most important first (need not cover every id); None keeps
+                the current placement.
+
+        Returns:
+            The promotions and demotions to carry out now.
+        """
+        if ranking is None:
+            return []
+        ranking = np.asarray(ranking, dtype=np.int64)
+        target = np.full(self.num_samples, -1, np.int8)
+        lo = 0
+        for t, cap in enumerate(self.capacities):
+            n = cap // self.record_bytes
+            target[ranking[lo : lo + n]] = t
+            lo += n
+        self._target = target
+        for t, spare in enumerate(self._spare):
+            spare.clear()
+            spare.update((i, None) for i in self.held[t] if target[i] != t)
+        moves: list[Move] = []
+        # Demotions first: they free DRAM for the promotions.
+        for i in [i for i in self.held[DRAM] if target[i] == ARENA]:
+            if self._make_room(ARENA, self.held[DRAM][i], moves):
+                self._spare[DRAM].pop(i, None)
+                moves.append(self._move(i, ARENA))
+        for i in [i for i in self.held[ARENA] if target[i] == DRAM]:
+            if self._make_room(DRAM, self.held[ARENA][i], moves):
+                self._spare[ARENA].pop(i, None)
+                moves.append(self._move(i, DRAM))
+        return moves
+
+    def _miss(self, sample_id: int, size: int) -> list[Move]:
+        if self._target is None:
+            return super()._miss(sample_id, size)  # no ranking yet: fill, never evict
+        t = int(self._target[sample_id])
+        if t < 0:
+            return []  # not wanted this epoch: served from below, placement unchanged
+        moves: list[Move] = []
+        if not self._make_room(t, size, moves):
+            return moves
+        self._add(sample_id, size, t)
+        moves.append(("admit", sample_id, t))
+        return moves
+
+    def _make_room(self, tier: int, size: int, moves: list[Move]) -> bool:
+        """Evict records the ranking does not want in ``tier`` until ``size`` bytes fit."""
+        if size > self.capacities[tier]:
+            return False
+        spare = self._spare[tier]
+        while not self.room(tier, size):
+            if not spare:
+                return False
+            victim = next(iter(spare))
+            del spare[victim]
+            self._remove(victim)
+            self.evictions[tier] += 1
+            moves.append(("drop", victim, tier))
+        return True
+
+    def _remove(self, sample_id: int) -> int:
+        tier = super()._remove(sample_id)
+        self._spare[tier].pop(sample_id, None)
+        return tier
+
+
+def make_policy(
+    name: str, capacities: Sequence[int], num_samples: int, record_bytes: int
+) -> Policy:
+    """Build a policy by name.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    classes: dict[str, type[Policy]] = {
+        "importance": ImportancePolicy,
+        "lru": LruPolicy,
+        "static": StaticPolicy,
+    }
+    if name not in classes:
+        raise ValueError(f"`cache_policy` must be one of {', '.join(POLICIES)}, got {name!r}")
+    return classes[name](capacities, num_samples, record_bytes)
