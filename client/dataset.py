@@ -405,6 +405,32 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self.num_samples = int(reply.meta["num_samples"])
         self._hello_pid = os.getpid()
 
+    def save_snapshot(self, obj: Any, step: int) -> None:
+        """Send a snapshot (e.g. a ``state_dict``) to the daemon's NVRAM arena.
+
+        Returns once the daemon holds the bytes; it writes them in the background, atomically
+        (``load_snapshot`` finds the previous or the new one, never a mix).
+
+        Args:
+            obj: anything ``torch.save`` can write.
+            step: the training step it belongs to.
+
+        Raises:
+            RemoteError: the daemon refused it (no ``--nvram-dir``, or too large).
+        """
+        from loaderd.client.snapshot import send_snapshot
+
+        send_snapshot(self._conn, self.job, obj, step)
+
+    @staticmethod
+    def load_snapshot(
+        address: str, job: str, *, timeout_s: float = 30.0, weights_only: bool = True
+    ) -> Any | None:
+        """The job's newest whole snapshot from the daemon at ``address``, or None."""
+        from loaderd.client.snapshot import load_snapshot
+
+        return load_snapshot(address, job, timeout_s=timeout_s, weights_only=weights_only)
+
     def stats(self) -> dict[str, Any]:
         """The daemon's statistics (the same object as ``loaderd stats --json``)."""
         return dict(self._conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)

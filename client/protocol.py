@@ -57,6 +57,9 @@ class MsgType(IntEnum):
     STATS = 13  # {"detail"?: bool (per-job importance histograms)} -> STATS_REPLY
     STATS_REPLY = 14  # the statistics object (see loaderd.stats)
     ERROR = 15  # {"code", "message"}
+    SNAPSHOT_PUT = 16  # {"job", "step"}; one frame: the serialised state -> OK
+    SNAPSHOT_GET = 17  # {"job"} -> SNAPSHOT | ERROR NOT_FOUND
+    SNAPSHOT = 18  # {"job", "step", "bytes"}; one frame: the newest whole snapshot
 
 
 PHASES = ("train", "rescore")
@@ -95,6 +98,8 @@ REQUEST_FIELDS: dict[MsgType, dict[str, tuple[type, ...]]] = {
     },
     MsgType.FEEDBACK: {"job": _STR, "kind": _STR},
     MsgType.STATS: {},
+    MsgType.SNAPSHOT_PUT: {"job": _STR, "step": _INT},
+    MsgType.SNAPSHOT_GET: {"job": _STR},
 }
 
 
@@ -287,6 +292,17 @@ def decode_error(msg: Message) -> tuple[ErrorCode, str]:
     except (TypeError, ValueError):
         code = ErrorCode.INTERNAL
     return code, str(msg.meta.get("message", "no message"))
+
+
+def snapshot_payload(msg: Message) -> memoryview:
+    """The one payload frame of a SNAPSHOT_PUT or SNAPSHOT message.
+
+    Raises:
+        ProtocolError: the message does not carry exactly one payload frame.
+    """
+    if len(msg.frames) != 1:
+        raise ProtocolError(f"{msg.type.name} needs 1 payload frame, got {len(msg.frames)}")
+    return msg.frames[0]
 
 
 def decode_feedback(msg: Message) -> tuple[np.ndarray, np.ndarray]:

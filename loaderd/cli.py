@@ -58,6 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="DRAM cache size, e.g. 2GiB",
     )
     s.add_argument(
+        "--nvram-dir",
+        type=Path,
+        help="directory of the NVRAM arena file (a DAX mount, /dev/shm or any disk); "
+        "also enables parameter snapshots",
+    )
+    s.add_argument(
+        "--nvram-bytes",
+        type=_size,
+        default=CacheConfig().nvram_bytes,
+        help="arena file size, snapshot region included (default: 8GiB)",
+    )
+    s.add_argument(
+        "--snapshot-bytes",
+        type=_size,
+        help="arena bytes for the two snapshot slots (default: a quarter of --nvram-bytes)",
+    )
+    s.add_argument(
+        "--cache-policy",
+        default=CacheConfig().policy,
+        choices=["importance", "lru", "static"],
+        help="placement in DRAM and NVRAM (default: %(default)s)",
+    )
+    s.add_argument(
         "--prefetch",
         type=int,
         default=PrefetchConfig().depth,
@@ -122,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     kg = ksub.add_parser("generate", help="write a server and a client keypair into DIR")
     kg.add_argument("dir", type=Path)
 
+    n = sub.add_parser("snapshot", help="parameter snapshots kept in the daemon's NVRAM arena")
+    n_sub = n.add_subparsers(dest="action", required=True)
+    g = n_sub.add_parser("get", help="write a job's newest whole snapshot to a file")
+    g.add_argument("--job", required=True)
+    g.add_argument("--out", required=True, type=Path, help="file to write (torch.save bytes)")
+    g.add_argument("--socket", default=default_socket())
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
+
     d = sub.add_parser("demo", help="generate a dataset, serve it, train on it, show the stats")
     d.add_argument("--dir", type=Path, default=Path("demo-data"), help="where to put the data")
     d.add_argument("--epochs", type=int, default=4)
@@ -169,7 +200,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         db=args.db,
         socket=args.socket,
         state_dir=args.state_dir or args.db.with_name(args.db.name + ".state"),
-        cache=CacheConfig(dram_bytes=args.dram_bytes),
+        cache=CacheConfig(
+            dram_bytes=args.dram_bytes,
+            nvram_dir=args.nvram_dir,
+            nvram_bytes=args.nvram_bytes,
+            snapshot_bytes=args.snapshot_bytes,
+            policy=args.cache_policy,
+        ),
         prefetch=PrefetchConfig(depth=args.prefetch, workers=args.workers),
         shm=ShmConfig(
             enabled=not args.no_shm, slots=args.shm_slots, slot_bytes=args.shm_slot_bytes
@@ -249,7 +286,23 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    """``loaderd snapshot get --job J --out FILE``."""
+    from loaderd.client.snapshot import fetch_snapshot
+    from loaderd.journal import write_atomic
+
+    got = fetch_snapshot(args.socket, args.job, timeout_s=args.timeout)
+    if got is None:
+        print(f"loaderd: error: no snapshot of job {args.job!r} in the daemon", file=sys.stderr)
+        return 1
+    step, payload = got
+    write_atomic(args.out, payload)
+    print(f"wrote {args.out} (job {args.job}, step {step}, {len(payload):,} bytes)")
+    return 0
+
+
 _COMMANDS = {
+    "snapshot": cmd_snapshot,
     "keys": cmd_keys,
     "serve": cmd_serve,
     "ingest": cmd_ingest,

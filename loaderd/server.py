@@ -43,11 +43,11 @@ from loaderd.importance_plot import histograms
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume
 from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.shm_delivery import ShmDelivery
+from loaderd.snapshots import Snapshots
 from loaderd.stats import build_stats
-from loaderd.storage.dram import DramCache
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.store import SampleStore
-from loaderd.storage.tiers import TierStack
+from loaderd.tiering import Placement, build_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ class Server:
             )
             self.ipc_path.unlink(missing_ok=True)  # stale: its owner's lock is gone
         self.store = SampleStore(config.db)
-        self.tiers = TierStack(self.store, DramCache(config.cache.dram_bytes))
+        self.tiers = build_tiers(config.cache, self.store)
+        self.placement = Placement(self.tiers)
+        self.snapshots = Snapshots(self.tiers.arena)
         self.schema = [FieldSpec(f.name, f.dtype, f.shape) for f in self.store.schema.fields]
         self.shm = ShmDelivery(
             config.shm,
@@ -165,6 +167,8 @@ class Server:
             MsgType.ACK: self._ack,
             MsgType.FEEDBACK: self._feedback,
             MsgType.STATS: self._stats,
+            MsgType.SNAPSHOT_PUT: self.snapshots.put,
+            MsgType.SNAPSHOT_GET: self.snapshots.get,
         }
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -255,6 +259,7 @@ class Server:
         self.shm.close()
         for job in self.jobs.values():
             job.close()
+        self.snapshots.close()
         self.tiers.close()
         if self.ipc_path is not None:
             self.ipc_path.unlink(missing_ok=True)
@@ -378,6 +383,7 @@ class Server:
             self._parked_opens.append((identity, msg))
             return None
         self._forget_other_passes(job, m["rank"], state)
+        self.placement.on_pass(job, state)
         self._prefetch_ahead(job, m["rank"], state)
         return Message(
             MsgType.PASS,
@@ -523,6 +529,7 @@ class Server:
             uptime_s=time.monotonic() - self.started,
         )
         out["shm"] = self.shm.stats()
+        out["snapshots"] = self.snapshots.stats()
         out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
         return out
 

@@ -152,6 +152,8 @@ class TierStack:
 
         Promotions read the arena; demotions queue arena writes.
         """
+        if ranking is None:
+            return  # keep the current placement
         with self._lock:
             moves = self.policy.place(ranking)
             self.placements += 1

@@ -58,6 +58,8 @@ VALID_META: dict[MsgType, dict[str, Any]] = {
     MsgType.ACK: {"job": "j", "rank": 0, "worker": 1, "epoch": 0, "phase": "train", "acks": []},
     MsgType.FEEDBACK: {"job": "j", "kind": "train"},
     MsgType.STATS: {},
+    MsgType.SNAPSHOT_PUT: {"job": "j", "step": 100},
+    MsgType.SNAPSHOT_GET: {"job": "j"},
 }
 
 
@@ -192,7 +194,7 @@ def test_wrong_version_names_both_versions() -> None:
     assert str(PROTOCOL_VERSION) in text and str(PROTOCOL_VERSION + 6) in text
 
 
-@pytest.mark.parametrize("type_", [0, 16, 255])
+@pytest.mark.parametrize("type_", [0, 99, 255])
 def test_unknown_type(type_: int) -> None:
     with pytest.raises(ProtocolError, match=f"unknown message type {type_}"):
         decode([header(msg_type=type_), b"{}"])
