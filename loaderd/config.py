@@ -49,12 +49,12 @@ class CacheConfig:
             raise ValueError(
                 f"`cache_policy` must be one of {', '.join(POLICIES)}, got {self.policy!r}"
             )
-        if self.nvram_bytes < 1 << 20:
-            raise ValueError(f"`nvram_bytes` must be at least 1 MiB, got {self.nvram_bytes}")
+        if self.nvram_bytes < 256 << 10:
+            raise ValueError(f"`nvram_bytes` must be at least 256 KiB, got {self.nvram_bytes}")
         snap = self.snapshot_bytes
-        if snap is not None and not (snap == 0 or 16384 <= snap <= self.nvram_bytes // 2):
+        if snap is not None and not (snap == 0 or 16384 <= snap <= self.nvram_bytes - (64 << 10)):
             raise ValueError(
-                f"`snapshot_bytes` must be 0 or in [16 KiB, nvram_bytes / 2], got {snap}"
+                f"`snapshot_bytes` must be 0 or in [16 KiB, nvram_bytes - 64 KiB], got {snap}"
             )
 
     @property

@@ -263,17 +263,28 @@ class ImportancePolicy(Policy):
         self._target = target
         for t, spare in enumerate(self._spare):
             spare.clear()
-            spare.update((i, None) for i in self.held[t] if target[i] != t)
+            spare.update((i, None) for i in self.held[t] if target[i] < 0)
+        if len(self.capacities) < 2:
+            return []
         moves: list[Move] = []
-        # Demotions first: they free DRAM for the promotions.
-        for i in [i for i in self.held[DRAM] if target[i] == ARENA]:
-            if self._make_room(ARENA, self.held[DRAM][i], moves):
-                self._spare[DRAM].pop(i, None)
-                moves.append(self._move(i, ARENA))
-        for i in [i for i in self.held[ARENA] if target[i] == DRAM]:
+        # Swap: take the demoted out of DRAM, promote into the room they leave, then put the
+        # demoted into the room the promoted leave in the arena (evicting unranked ones).
+        down = [(i, self.held[DRAM][i]) for i in self.held[DRAM] if target[i] == ARENA]
+        up = [i for i in self.held[ARENA] if target[i] == DRAM]
+        for i, _ in down:
+            self._remove(i)
+        for i in up:
             if self._make_room(DRAM, self.held[ARENA][i], moves):
-                self._spare[ARENA].pop(i, None)
                 moves.append(self._move(i, DRAM))
+        for i, size in down:
+            if self._make_room(ARENA, size, moves):
+                self._add(i, size, ARENA)
+                self.demotions[DRAM] += 1
+                self.demotions[ARENA] += 1
+                moves.append(("demote", i, ARENA))
+            else:
+                self.evictions[DRAM] += 1
+                moves.append(("drop", i, DRAM))
         return moves
 
     def _miss(self, sample_id: int, size: int) -> list[Move]:

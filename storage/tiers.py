@@ -171,7 +171,12 @@ class TierStack:
             self._wake.notify()
 
     def _apply(self, moves: list[Move], have: dict[int, bytes]) -> None:
-        """Carry out a policy's moves (the lock is held)."""
+        """Carry out a policy's moves (the lock is held).
+
+        What leaves DRAM goes first, so that DRAM never holds more than its capacity on the
+        way (its own LRU bound would otherwise push out a record that is being demoted).
+        """
+        moves = sorted(moves, key=lambda m: m[0] != "demote" and m != ("drop", m[1], DRAM))
         for kind, sid, tier in moves:
             if kind == "admit":
                 rec = have[sid]

@@ -1,0 +1,117 @@
+"""storage/policies.py on small, known traces (sizes of 1: capacities count records)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loaderd.storage.policies import (
+    ImportancePolicy,
+    LruPolicy,
+    Policy,
+    StaticPolicy,
+    make_policy,
+)
+
+
+def replay(p: Policy, trace: list[int]) -> list[int | None]:
+    """The tier each access was served from (None: the store)."""
+    out = []
+    for i in trace:
+        out.append(p.lookup(i))
+        p.access(i, 1)
+    return out
+
+
+def test_static_fills_in_tier_order_and_never_evicts() -> None:
+    p = StaticPolicy([2, 1], 10, 1)
+    assert replay(p, [1, 2, 3, 4, 1, 2, 3, 4]) == [None] * 4 + [0, 0, 1, None]
+    assert p.evictions == [0, 0] and len(p) == 3
+    assert (p.hits, p.misses) == ([2, 1], [6, 5])  # a DRAM miss is looked up in the arena
+
+
+def test_lru_demotes_dram_victims_and_promotes_arena_hits() -> None:
+    p = LruPolicy([2, 2], 10, 1)
+    moves = [p.access(i, 1) for i in (1, 2, 3)]
+    assert moves[2] == [("admit", 3, 0), ("demote", 1, 1)]  # 1 was least recent in DRAM
+    assert p.lookup(1) == 1 and p.lookup(2) == 0 and p.lookup(3) == 0
+    assert p.access(1, 1) == [("promote", 1, 0), ("demote", 2, 1)]
+    p.access(4, 1)  # DRAM 1,4; arena 2,3 -> 3 demoted, 2 is the oldest in the arena
+    p.access(5, 1)  # 4 down to the arena, which drops 2
+    assert p.lookup(2) is None and p.evictions == [0, 1]
+    assert p.promotions == [1, 1] and p.demotions[1] == 4
+
+
+def test_lru_thrashes_on_a_cycle_larger_than_the_cache() -> None:
+    p = LruPolicy([2, 1], 10, 1)
+    served = replay(p, list(range(4)) * 5)
+    assert served.count(None) == 20  # the classic worst case: every access misses
+
+
+def test_importance_places_top_in_dram_next_in_arena() -> None:
+    p = ImportancePolicy([2, 3], 10, 1)
+    p.place(np.array([9, 8, 7, 6, 5, 4, 3]))
+    assert [p.target(i) for i in (9, 8, 7, 6, 5, 4)] == [0, 0, 1, 1, 1, -1]
+    trace = [4, 9, 7, 0, 8, 6, 5, 4, 9, 7, 8, 6, 5, 0]
+    served = replay(p, trace)
+    # first sight of each targeted id fills its slot; 4 and 0 are never admitted
+    assert served == [None] * 7 + [None, 0, 1, 0, 1, 1, None]
+    assert len(p) == 5 and p.evictions == [0, 0]
+
+
+def test_importance_is_static_within_an_epoch() -> None:
+    p = ImportancePolicy([1, 1], 10, 1)
+    p.place(np.array([1, 2]))
+    replay(p, [1, 2])
+    for i in range(3, 10):  # a storm of misses of unranked ids changes nothing
+        assert p.access(i, 1) == []
+    assert p.lookup(1) == 0 and p.lookup(2) == 1
+
+
+def test_importance_replacement_moves_between_tiers_and_evicts_lazily() -> None:
+    p = ImportancePolicy([1, 2], 10, 1)
+    p.place(np.array([1, 2, 3]))
+    replay(p, [1, 2, 3])
+    moves = p.place(np.array([2, 1, 4]))  # 2 up, 1 down; 3 stays until 4 needs its room
+    assert ("demote", 1, 1) in moves and ("promote", 2, 0) in moves
+    assert p.lookup(1) == 1 and p.lookup(2) == 0 and p.lookup(3) == 1
+    assert moves.index(("promote", 2, 0)) < moves.index(("demote", 1, 1))
+    assert p.access(4, 1) == [("drop", 3, 1), ("admit", 4, 1)]
+    assert p.evictions == [0, 1]
+
+
+def test_importance_before_a_ranking_behaves_like_static() -> None:
+    p = ImportancePolicy([1, 1], 10, 1)
+    assert replay(p, [5, 6, 7, 5, 6, 7]) == [None, None, None, 0, 1, None]
+
+
+def test_importance_counts_ranking_with_record_bytes() -> None:
+    p = ImportancePolicy([100, 250], 10, 50)  # two records in DRAM, five in the arena
+    p.place(np.arange(10))
+    assert [p.target(i) for i in range(8)] == [0, 0, 1, 1, 1, 1, 1, -1]
+
+
+def test_forget_and_adopt() -> None:
+    p = ImportancePolicy([0, 2], 10, 1)
+    assert p.adopt(3, 1, 1) and p.adopt(4, 1, 1) and not p.adopt(5, 1, 1)
+    assert p.lookup(3) == 1
+    p.forget(3)
+    assert p.lookup(3) is None and p.evictions == [0, 1]
+    p.forget(3)  # twice is harmless
+
+
+def test_access_counts_where_the_record_was_found() -> None:
+    p = StaticPolicy([1, 1], 10, 1)
+    p.access(1, 1)
+    p.access(1, 1, None)  # read from the store although the policy holds it now
+    assert (p.hits, p.misses) == ([0, 0], [2, 2])
+    p.access(1, 1, 0)
+    assert (p.hits, p.misses) == ([1, 0], [2, 2])
+
+
+def test_make_policy_names() -> None:
+    assert isinstance(make_policy("lru", [1], 2, 1), LruPolicy)
+    with pytest.raises(ValueError, match="`cache_policy` must be one of"):
+        make_policy("fifo", [1], 2, 1)
+    with pytest.raises(ValueError, match="capacities"):
+        StaticPolicy([-1], 2, 1)
