@@ -56,24 +56,32 @@ def build_tiers(config: CacheConfig, store: SampleStore) -> TierStack:
         raise
 
 
-def ranking(importance: np.ndarray, selected: np.ndarray) -> np.ndarray | None:
-    """Ids ordered for placement: this epoch's selected samples first, by importance.
+def ranking(
+    importance: np.ndarray, selected: np.ndarray, rescored: np.ndarray | None = None
+) -> np.ndarray | None:
+    """Ids ordered for placement: by expected reads per epoch, then by importance.
 
-    Unscored samples (NaN) rank last within their group, in id order. When every sample is
-    selected (``uniform``, warm-up and annealing epochs) each is read once whatever is cached,
-    so the current placement is kept (None): re-placing by noisy losses would only churn.
+    A selected sample is read once this epoch; one in the re-score group is read once more
+    by each re-score pass (the group changes only at re-classification, every K epochs), so
+    a selected, re-scored sample is worth two reads. Unscored samples (NaN) rank last within
+    their group. When every sample is selected and none is re-scored (``uniform``, warm-up
+    and annealing epochs) each is read once whatever is cached, so the current placement is
+    kept (None): re-placing by noisy losses would only churn.
 
     Args:
         importance: per-sample importance (the engine's latest losses; NaN: never scored).
         selected: the epoch's selected ids (may repeat).
+        rescored: the ids the re-score passes read (the high-fluctuation group), if any.
     """
     n = len(importance)
-    chosen = np.zeros(n, np.bool_)
-    chosen[selected] = True
-    if chosen.all():
+    reads = np.zeros(n, np.int8)
+    reads[selected] = 1
+    if rescored is not None and len(rescored):
+        reads[rescored] += 1
+    elif reads.all():
         return None
     score = np.where(np.isnan(importance), -np.inf, importance)
-    return np.lexsort((-score, ~chosen)).astype(np.int64)
+    return np.lexsort((-score, -reads)).astype(np.int64)
 
 
 class Placement:
@@ -90,6 +98,7 @@ class Placement:
             return
         self._placed[name] = state.epoch
         selected, _ = job._selection(state.epoch)  # computed once per epoch and cached
+        rescored = job.engine.rescore_ids(state.epoch)  # the group, as select() left it
         importance = job.engine.importance()  # a copy: the ranking is built on another thread
         logger.info("job %s epoch %d: re-placing the cache tiers", name, state.epoch)
-        self.tiers.place_async(lambda: ranking(importance, selected))
+        self.tiers.place_async(lambda: ranking(importance, selected, rescored))

@@ -115,3 +115,12 @@ def test_make_policy_names() -> None:
         make_policy("fifo", [1], 2, 1)
     with pytest.raises(ValueError, match="capacities"):
         StaticPolicy([-1], 2, 1)
+
+
+def test_ranking_puts_selected_and_rescored_first() -> None:
+    from loaderd.tiering import ranking
+
+    imp = np.array([0.5, 3.0, np.nan, 2.0, 1.0], np.float32)
+    assert ranking(imp, np.arange(5)) is None  # all selected, none re-scored: keep placement
+    r = ranking(imp, np.array([0, 2, 3]), np.array([0]))
+    assert r is not None and r.tolist() == [0, 3, 2, 1, 4]
