@@ -210,12 +210,16 @@ def drop_caches() -> bool:
         return False
 
 
+def _rate(row: dict[str, Any], key: str) -> str:
+    return f"{row[key]:.3f}" if key in row else ""
+
+
 def write_markdown(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     m = machine()
     out = [
         "# Cache tiers: placement policies against Belady, and warm restarts",
         "",
-        f"Machine: {m}",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "loadavg_1m"),
         "",
         "Command: `python benchmarks/bench_cache.py` (`make bench-cache`)",
         "",
@@ -247,8 +251,7 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], args: argparse.Namesp
             vs_b, vs_lru = "", f"{r['hit_rate'] / lru:.2f}x" if lru else ""
         out.append(
             f"| {r['sampler']} | {r['capacity']:.0%} | {r['policy']} | {r['hit_rate']:.3f} "
-            f"| {r.get('dram_hit_rate', float('nan')):.3f} "
-            f"| {r.get('nvram_hit_rate', float('nan')):.3f} "
+            f"| {_rate(r, 'dram_hit_rate')} | {_rate(r, 'nvram_hit_rate')} "
             f"| {r['store_reads']:,} | {vs_b} | {vs_lru} |"
         )
     restart = [r for r in rows if r["part"] == "restart"]
