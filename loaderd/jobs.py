@@ -358,7 +358,7 @@ class Job:
         plans = self._plans.get(key)
         if plans is None:
             if phase == "train":
-                ids, weights = self._selection(epoch)
+                ids, weights = self.selection(epoch)
             else:
                 ids = self.engine.rescore_ids(epoch).astype(np.int64)
                 weights = np.ones(len(ids), np.float32)
@@ -375,7 +375,7 @@ class Job:
             self._plans[key] = plans
         return plans
 
-    def _selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's selected samples: computed once, then persisted, so all ranks agree."""
         sel = self._selections.get(epoch)
         if sel is None:
@@ -472,6 +472,7 @@ class Job:
                 "counters": {
                     "batches_served": self.batches_served,
                     "samples_served": self.samples_served,
+                    "duplicate_acks": self.duplicate_acks,
                 },
                 "ranks": [
                     None
@@ -518,6 +519,7 @@ class Job:
         counters = saved.get("counters", {})
         self.batches_served = int(counters.get("batches_served", 0))
         self.samples_served = int(counters.get("samples_served", 0))
+        self.duplicate_acks = int(counters.get("duplicate_acks", 0))
         npz = self.dir / "importance.npz"
         if npz.exists():
             with np.load(npz) as z:

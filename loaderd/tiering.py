@@ -97,7 +97,7 @@ class Placement:
         if state.phase != "train" or self._placed.get(name, -1) >= state.epoch:
             return
         self._placed[name] = state.epoch
-        selected, _ = job._selection(state.epoch)  # computed once per epoch and cached
+        selected, _ = job.selection(state.epoch)  # computed once per epoch and cached
         rescored = job.engine.rescore_ids(state.epoch)  # the group, as select() left it
         importance = job.engine.importance()  # a copy: the ranking is built on another thread
         logger.info("job %s epoch %d: re-placing the cache tiers", name, state.epoch)

@@ -357,11 +357,6 @@ def test_same_spec_reopens(tmp_path: Path) -> None:
     make_job(tmp_path, JobSpec(**_spec_dict())).close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Job.save (loaderd/jobs.py, the 'counters' dict) persists batches_served and "
-    "samples_served but not duplicate_acks, so that counter silently resets to 0 on restart",
-)
 def test_duplicate_acks_survive_restart(tmp_path: Path) -> None:
     job = make_job(tmp_path)
     state = job.open_pass(0, 0, "train")
