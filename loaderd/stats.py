@@ -94,22 +94,77 @@ def format_table(stats: dict[str, Any]) -> str:
             ("bytes read", human_bytes(backing["bytes_read"])),
         ],
     )
+    shm = stats.get("shm")
+    if shm and shm.get("ring"):
+        out += _rows(
+            "shared memory",
+            [
+                (
+                    "ring",
+                    f"{shm['ring']}: {shm['slots']} slots of {human_bytes(shm['slot_bytes'])}",
+                ),
+                ("lent", f"{shm['lent']} slots to {shm['consumers']} consumers"),
+                (
+                    "delivered",
+                    f"{shm['delivered']:,} (socket fallbacks {shm['socket_fallbacks']:,})",
+                ),
+            ],
+        )
+    newest = (stats.get("snapshots") or {}).get("newest")
+    if newest:
+        durability = stats["snapshots"].get("durability", "?")
+        out += _rows(
+            "newest snapshot",
+            [
+                ("job / step", f"{newest['job']} / {newest['step']}"),
+                ("size", f"{human_bytes(newest['bytes'])} ({durability})"),
+            ],
+        )
     for name, job in stats["jobs"].items():
         rows = [
-            ("epoch", str(job["epoch"])),
-            ("world size", str(job["world_size"])),
-            ("batches served", f"{job['batches_served']:,}"),
-            ("samples served", f"{job['samples_served']:,}"),
-            ("feedback samples", f"{job['feedback_samples']:,}"),
+            ("epoch", f"{job['epoch']}  (world size {job['world_size']})"),
+            ("served", f"{job['batches_served']:,} batches, {job['samples_served']:,} samples"),
+            ("feedback", f"{job['feedback_samples']:,} losses"),
         ]
-        imp = job.get("importance") or {}
-        rows += [(f"importance {k}", _short(v)) for k, v in imp.items()]
-        out += _rows(f"job {name}", rows)
+        out += _rows(f"job {name}", rows + _importance_rows(job.get("importance") or {}))
     out.append(f"uptime {stats['uptime_s']:.1f} s, daemon pid {stats['daemon']['pid']}")
     return "\n".join(out)
 
 
+def _importance_rows(imp: dict[str, Any]) -> list[tuple[str, str]]:
+    """The importance engine's state in four lines (the JSON has every figure)."""
+    if not imp:
+        return []
+    rows = [("sampler", f"{imp.get('sampler', '?')} ({imp.get('phase', '?')} phase)")]
+    if imp.get("groups_epoch", -1) >= 0:
+        rows.append(
+            (
+                "fluctuation",
+                f"{imp['high_group']:,} high (mean variance {_short(imp['high_mean_variance'])}), "
+                f"{imp['low_group']:,} low ({_short(imp['low_mean_variance'])})",
+            )
+        )
+    if imp.get("kept_fraction") is not None:
+        rows.append(
+            (
+                "selected",
+                f"{imp['selected']:,} ({imp['kept_fraction']:.0%}) "
+                f"for epoch {imp['selected_epoch']}, {imp['rescored']:,} re-scored",
+            )
+        )
+    if imp.get("loss_p50") is not None:
+        rows.append(
+            (
+                "loss p10/p50/p90",
+                " / ".join(_short(imp[k]) for k in ("loss_p10", "loss_p50", "loss_p90")),
+            )
+        )
+    return rows
+
+
 def _short(v: Any) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, dict):

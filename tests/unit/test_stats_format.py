@@ -65,8 +65,19 @@ def realistic_stats() -> dict[str, Any]:
                 "feedback_samples": 9_999_999,
                 "importance": {
                     "sampler": "importance",
+                    "phase": "select",
+                    "groups_epoch": 6,
+                    "high_group": 120_000,
+                    "low_group": 1_161_167,
+                    "high_mean_variance": 1.5,
+                    "low_mean_variance": 0.0123456,
+                    "selected_epoch": 7,
+                    "selected": 896_817,
                     "kept_fraction": 0.700012345,
-                    "split": {"low": 0.0123456, "high": 1.5},
+                    "rescored": 120_000,
+                    "loss_p10": 0.01,
+                    "loss_p50": 0.25,
+                    "loss_p90": 1.75,
                 },
             }
         },
@@ -103,8 +114,10 @@ def test_format_table_contains_the_key_figures() -> None:
         "40,000",
         "10,240,000",
         "9,999,999",
-        "importance kept_fraction  0.7",
-        "low=0.01235, high=1.5",
+        "importance (select phase)",
+        "120,000 high (mean variance 1.5), 1,161,167 low (0.01235)",
+        "896,817 (70%) for epoch 7, 120,000 re-scored",
+        "0.01 / 0.25 / 1.75",
         "uptime 3723.5 s, daemon pid 4242",
     ]:
         assert expected in table, f"{expected!r} missing from:\n{table}"
