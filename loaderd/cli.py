@@ -155,9 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="generate a dataset, serve it, train on it, show the stats")
     d.add_argument("--dir", type=Path, default=Path("demo-data"), help="where to put the data")
-    d.add_argument("--epochs", type=int, default=4)
+    d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--samples", type=int, default=8192)
-    d.add_argument("--sampler", default="uniform")
+    d.add_argument(
+        "--sampler", default="infobatch", help="uniform, importance, unbiased, infobatch"
+    )
     return p
 
 

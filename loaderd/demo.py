@@ -66,8 +66,27 @@ def run_demo(
     try:
         wait_ready(address, proc=proc)
         print(f"daemon pid {proc.pid} serving {address} (log: {workdir / 'daemon.log'})")
+        # The importance engine classifies samples for two epochs, then trains the most
+        # important part (after re-scoring the high-fluctuation group) and anneals to all.
+        options = (
+            {}
+            if sampler == "uniform"
+            else {
+                "warmup_epochs": 2,
+                "keep_fraction": 0.5,
+                "anneal_epochs": 1,
+                "epochs": epochs,
+            }
+        )
         ds = LoaderdDataset(
-            address, job="demo", batch_size=128, rank=0, world_size=1, seed=0, sampler=sampler
+            address,
+            job="demo",
+            batch_size=128,
+            rank=0,
+            world_size=1,
+            seed=0,
+            sampler=sampler,
+            **options,
         )
         loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         model = nn.Sequential(
@@ -84,6 +103,13 @@ def run_demo(
         y_test = torch.from_numpy(test_labels)
         for epoch in range(epochs):
             start, seen, correct, loss_sum = time.perf_counter(), 0, 0, 0.0
+            model.eval()
+            rescored = 0
+            with torch.no_grad():  # seed 002: a forward pass re-scores the volatile samples
+                for batch in ds.rescore():
+                    out = model(batch["image"].float() / 255)
+                    ds.feedback(batch["id"], F.cross_entropy(out, batch["label"], reduction="none"))
+                    rescored += len(batch["id"])
             model.train()
             for batch in loader:
                 out = model(batch["image"].float() / 255)
@@ -102,7 +128,8 @@ def run_demo(
                 test_acc = float((model(x_test).argmax(1) == y_test).float().mean())
             print(
                 f"epoch {epoch}: loss {loss_sum / seen:.3f}  train acc {correct / seen:.1%}  "
-                f"test acc {test_acc:.1%}  {seen / elapsed:,.0f} samples/s  ({seen:,} samples)"
+                f"test acc {test_acc:.1%}  {seen / elapsed:,.0f} samples/s  "
+                f"({seen:,} trained, {rescored:,} re-scored)"
             )
         print()
         print(format_table(ds.stats()))
