@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TYPES   := build/typecheck
 
 .PHONY: install demo test test-unit test-integration lint format typecheck bench \
-        bench-importance bench-cache bench-throughput clean
+        bench-importance bench-cache bench-throughput bench-load clean
 
 install: $(STAMP)
 
@@ -47,7 +47,7 @@ lint: install typecheck
 	$(BIN)/ruff format --check loaderd client storage tests benchmarks
 	$(BIN)/ruff check loaderd client storage tests benchmarks
 
-bench: bench-importance bench-cache bench-throughput
+bench: bench-importance bench-cache bench-throughput bench-load
 
 bench-importance: install
 	$(BIN)/python benchmarks/bench_importance.py
@@ -57,6 +57,9 @@ bench-cache: install
 
 bench-throughput: install
 	$(BIN)/python benchmarks/bench_throughput.py
+
+bench-load: install
+	$(BIN)/python benchmarks/bench_load.py
 
 clean:
 	rm -rf build $(TYPES) .pytest_cache .mypy_cache .ruff_cache demo-data

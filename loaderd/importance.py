@@ -84,7 +84,7 @@ class ImportanceConfig:
         epochs: total epochs of the job, when known; only used for annealing.
     """
 
-    sampler: str = "uniform"
+    sampler: str = "infobatch"
     warmup_epochs: int = 3
     keep_fraction: float = 0.7
     rescore: bool = True

@@ -109,7 +109,14 @@ class GoodClient(threading.Thread):
 
     def run(self) -> None:
         try:
-            ds = LoaderdDataset(self.address, job="good", batch_size=40, timeout_s=10.0, shm=False)
+            ds = LoaderdDataset(
+                self.address,
+                job="good",
+                batch_size=40,
+                timeout_s=10.0,
+                shm=False,
+                sampler="uniform",
+            )
             while not self.stop.is_set():
                 ids = [i for b in ds for i in b["id"].tolist()]
                 assert sorted(ids) == list(range(N_SAMPLES)), "the good client lost samples"
