@@ -25,9 +25,9 @@ Checked and reported:
   of the same rank) is reported apart: the rank's epoch cannot end while a live consumer holds
   some of its batches, so the sibling waits at the epoch boundary by design.
 
-The clients are not DataLoader workers: each process tells ``LoaderdDataset`` its worker id
-(``get_worker_info`` is replaced in the child) and keeps its batches in the process, so the
-copy into torch shared memory a DataLoader worker makes is left out. Every loop is bounded by
+The clients are not DataLoader workers: each process passes ``worker=`` to ``LoaderdDataset``
+and keeps its batches in the process (no copy into torch shared memory, as a DataLoader worker
+makes). Every loop is bounded by
 the run's deadline; requests time out after ``--timeout-s``.
 
 Prints one JSON line per configuration (socket and shared-memory delivery by default) and
@@ -49,7 +49,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -91,13 +90,7 @@ def _client(
     spec: dict[str, Any], out: str, start: Any, duration_s: float, opts: dict[str, Any]
 ) -> None:
     """Pull and send feedback until the deadline; write what was received to ``out`` (npz)."""
-    import loaderd.client.dataset as dsmod
-
-    # This process is consumer ``worker`` of its rank (as DataLoader worker ``worker`` would
-    # be); its batches stay here, so they need no copy into torch shared memory.
-    worker = SimpleNamespace(id=spec["worker"], num_workers=opts["procs"], seed=0, dataset=None)
-    dsmod.get_worker_info = lambda: worker  # type: ignore[assignment]
-    dsmod.to_shared_tensors = lambda batch: batch  # type: ignore[assignment]
+    from loaderd.client import LoaderdDataset
 
     ids: list[np.ndarray] = []
     id_epoch: list[np.ndarray] = []
@@ -109,7 +102,7 @@ def _client(
     rng = np.random.default_rng(spec["index"])
     ds = None
     try:
-        ds = dsmod.LoaderdDataset(
+        ds = LoaderdDataset(
             opts["address"],
             job=spec["job"],
             batch_size=BATCH,
@@ -121,6 +114,7 @@ def _client(
             timeout_s=opts["timeout_s"],
             reconnect_s=0,  # nothing restarts here: a lost daemon is an error
             shm=opts["shm"],
+            worker=spec["worker"],
         )
         ds.connect()
         start.wait(60)

@@ -81,6 +81,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         device: a CUDA device to deliver batches on (``DeviceBuffering``: pinned staging
             and copies on a side stream); None yields CPU tensors. Refused without CUDA.
         buffers: batches staged ahead in pinned memory when ``device`` is set.
+        worker: this consumer's number within its rank, for processes that share a rank
+            without being DataLoader workers; default: the DataLoader worker id, else 0.
+            Consumers of one rank need distinct numbers: a consumer that opens a pass takes
+            back the unacknowledged batches of its number.
         **options: further importance options (``warmup_epochs``, ``keep_fraction``, ...).
 
     Each batch is a dict: ``id`` (int64 [B]), ``weight`` (float32 [B]), and one entry per
@@ -108,6 +112,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         shm: bool = True,
         device: str | torch.device | None = None,
         buffers: int = 3,
+        worker: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -126,6 +131,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"`rank` {self.rank} is outside [0, world_size={self.world_size})")
         self.prefetch = prefetch
+        if worker is not None and worker < 0:
+            raise ValueError(f"`worker` must be >= 0, got {worker}")
+        self.worker = worker
         self._conn = Connection(address, timeout_s, curve_dir)
         # Fast path (client/fastpath.py): shared memory for same-host daemons, device copies.
         self._shm = ShmReceiver(shm and address.startswith("ipc://"))
@@ -158,7 +166,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
 
     def _pass(self, phase: str) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        worker = info.id if info is not None else 0
+        worker = self.worker if self.worker is not None else info.id if info is not None else 0
         base = {"job": self.job, "rank": self.rank, "worker": worker, "phase": phase}
         # A pass interrupted in this process (or restored by load_state_dict) resumes.
         progress = self._progress.setdefault(phase, PassProgress(phase))

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def run_demo(
         print(f"daemon pid {proc.pid} serving {address} (log: {workdir / 'daemon.log'})")
         # The importance engine classifies samples for two epochs, then trains the most
         # important part (after re-scoring the high-fluctuation group) and anneals to all.
-        options = (
+        options: dict[str, Any] = (
             {}
             if sampler == "uniform"
             else {
