@@ -1,4 +1,4 @@
-"""Shared timing helpers for the benchmarks: warm-up, N timed runs, median and p95; the machine."""
+"""Shared benchmark helpers: warm-up and N timed runs (median, p95), the machine, a store."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 
 def time_runs(
@@ -45,22 +49,55 @@ def time_runs(
     }
 
 
-def machine() -> dict[str, object]:
-    """Where the numbers were measured: CPU model, core count, Python and platform."""
-    model = "unknown"
+def machine() -> dict[str, Any]:
+    """Where the numbers were measured: CPU model, cores, memory, Python, torch and kernel."""
+    model = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
+            )
     except OSError:
         pass
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
     return {
         "cpu": model,
         "nproc": len(os.sched_getaffinity(0)),
+        "ram_gib": round(ram / 2**30, 1),
         "python": platform.python_version(),
-        "platform": platform.platform(),
+        "torch": torch_version,
+        "kernel": platform.release(),
         # Shared machines: a load above nproc means the figures include waiting for a core.
-        "loadavg_1m": os.getloadavg()[0],
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def make_store(root: Path, n: int, sample_bytes: int) -> Path:
+    """A store of ``n`` samples (``image``: uint8 [sample_bytes], ``label``), built once.
+
+    Its file is read through once, so the page cache is warm: the benchmarks compare delivery
+    paths, not disks.
+    """
+    from loaderd.storage.ingest import ingest
+
+    db = root / f"store-{sample_bytes}-{n}.db"
+    if not (db / "data.mdb").exists():
+        rng = np.random.default_rng(0)
+        npz = root / f"src-{sample_bytes}-{n}-{os.getpid()}.npz"
+        np.savez(
+            npz,
+            image=rng.integers(0, 256, (n, sample_bytes), dtype=np.uint8),
+            label=np.arange(n, dtype=np.int64) % 1000,
+        )
+        ingest(npz, db, progress=False, overwrite=True)
+        npz.unlink()
+    with open(db / "data.mdb", "rb") as f:
+        while f.read(1 << 24):
+            pass
+    return db

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import shlex
 import shutil
 import sys
@@ -42,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _timing import machine  # the script's folder is on sys.path
 from torch import nn
 
 from loaderd.client import LoaderdDataset
@@ -116,6 +115,14 @@ def sampler_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             **common,
             "prune_keep_prob": args.prune_keep_prob,
             **anneal,
+        },
+        # InfoBatch as published: training losses only, no re-score forward passes.
+        "infobatch-norescore": {
+            "sampler": "infobatch",
+            **common,
+            "prune_keep_prob": args.prune_keep_prob,
+            **anneal,
+            "rescore": False,
         },
     }
     return {k: v for k, v in configs.items() if k in args.samplers}
@@ -252,23 +259,6 @@ def summarise(runs: list[dict[str, Any]], n_train: int) -> list[dict[str, Any]]:
                 }
             )
     return out
-
-
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
-            )
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "nproc": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 def goal(summary: list[dict[str, Any]]) -> dict[str, Any]:
@@ -427,14 +417,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--samplers",
         nargs="+",
-        default=["uniform", "importance", "importance+anneal", "unbiased", "infobatch"],
+        default=[
+            "uniform",
+            "importance",
+            "importance+anneal",
+            "unbiased",
+            "infobatch",
+            "infobatch-norescore",
+        ],
     )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--keep-fraction", type=float, default=0.5)
+    p.add_argument("--keep-fraction", type=float, default=0.35)
     p.add_argument("--warmup-epochs", type=int, default=3)
     p.add_argument("--prune-keep-prob", type=float, default=0.3)
     p.add_argument("--anneal-epochs", type=int, default=2)

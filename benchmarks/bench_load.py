@@ -40,7 +40,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -53,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from _timing import machine, make_store  # the script's folder is on sys.path
 
 HERE = Path(__file__).resolve().parent
 BATCH = 64
@@ -60,27 +60,6 @@ WARMUP_S = 2.0  # the first seconds (connections, cold cache) are left out of th
 
 
 # --- data ---------------------------------------------------------------------------------------
-
-
-def make_store(root: Path, n: int, sample_bytes: int) -> Path:
-    """The store (built once, then reused): ``image`` uint8 [sample_bytes] and ``label``."""
-    from loaderd.storage.ingest import ingest
-
-    db = root / f"load-{sample_bytes}-{n}.db"
-    if not (db / "data.mdb").exists():
-        rng = np.random.default_rng(0)
-        npz = root / f"load-src-{sample_bytes}-{n}-{os.getpid()}.npz"
-        np.savez(
-            npz,
-            image=rng.integers(0, 256, (n, sample_bytes), dtype=np.uint8),
-            label=np.arange(n, dtype=np.int64) % 1000,
-        )
-        ingest(npz, db, progress=False, overwrite=True)
-        npz.unlink()
-    with open(db / "data.mdb", "rb") as f:  # a warm page cache: the disk is not under test
-        while f.read(1 << 24):
-            pass
-    return db
 
 
 # --- one client process -------------------------------------------------------------------------
@@ -501,32 +480,13 @@ def sigstop_report(
 # --- driver -------------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "loadavg_1m_before": round(os.getloadavg()[0], 2),
-    }
-
-
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str, n: int) -> str:
     out = [
         "# Load: 16 clients against one daemon",
         "",
         f"Machine: {info['nproc']} CPUs, {info['cpu']}, {info['ram_gib']} GiB RAM, "
         f"Python {info['python']}, Linux {info['kernel']} (1-minute load average "
-        f"{info['loadavg_1m_before']} before the run: a shared machine).",
+        f"{info['loadavg_1m']} before the run: a shared machine).",
         "",
         f"Command: `{command}`",
         "",

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import platform
 import shlex
 import shutil
 import sys
@@ -33,33 +31,13 @@ from typing import Any
 
 import numpy as np
 import psutil
+from _timing import machine, make_store  # the script's folder is on sys.path
 
 HERE = Path(__file__).resolve().parent
 BATCH = 64
 
 
 # --- data ---------------------------------------------------------------------------------------
-
-
-def make_store(root: Path, n: int, sample_bytes: int) -> Path:
-    from loaderd.storage.ingest import ingest
-
-    db = root / f"store-{sample_bytes}-{n}.db"
-    if not (db / "data.mdb").exists():
-        rng = np.random.default_rng(0)
-        npz = root / f"src-{sample_bytes}-{n}.npz"
-        np.savez(
-            npz,
-            image=rng.integers(0, 256, (n, sample_bytes), dtype=np.uint8),
-            label=np.arange(n, dtype=np.int64) % 1000,
-        )
-        ingest(npz, db, progress=False, overwrite=True)
-        npz.unlink()
-    # warm the page cache: the comparison is of delivery paths, not of the disk
-    with open(db / "data.mdb", "rb") as f:
-        while f.read(1 << 24):
-            pass
-    return db
 
 
 # --- (1) memcpy ---------------------------------------------------------------------------------
@@ -314,24 +292,6 @@ def bench_zmq(nbytes: int, messages: int, window: int = 8) -> float:
 
 
 # --- driver -------------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-    }
 
 
 def emit(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:
