@@ -18,6 +18,7 @@ it: a bad message becomes a ``ProtocolError`` naming what was wrong, never a cra
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -360,7 +361,7 @@ def decode_batch(msg: Message, schema: Sequence[FieldSpec]) -> BatchArrays:
 
 
 def _array(buf: memoryview, dtype: np.dtype[Any], shape: tuple[int, ...], name: str) -> np.ndarray:
-    expected = dtype.itemsize * int(np.prod(shape))
+    expected = dtype.itemsize * math.prod(shape)
     if buf.nbytes != expected:
         raise ProtocolError(f"BATCH: frame {name!r} has {buf.nbytes} bytes, expected {expected}")
     return np.frombuffer(buf, dtype).reshape(shape)

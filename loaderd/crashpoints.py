@@ -14,6 +14,7 @@ The points (see where each ``hit`` is called):
 * ``ack``            acknowledgements were applied in memory, before they are written
 * ``journal-append`` feedback was appended to the journal, before its fsync
 * ``replace``        a state file's temporary copy is written, before ``os.replace``
+* ``cursor-log``     a turn's cursor changes are about to be appended to the cursor log
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ import os
 
 logger = logging.getLogger(__name__)
 
-POINTS = ("open-pass", "assign", "commit", "deliver", "ack", "journal-append", "replace")
+POINTS = (
+    "open-pass",
+    "assign",
+    "commit",
+    "deliver",
+    "ack",
+    "journal-append",
+    "cursor-log",
+    "replace",
+)
 EXIT_STATUS = 86  # what a crash point exits with, so a test can tell it from a real crash
 
 _armed: dict[str, int] = {}

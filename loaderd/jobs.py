@@ -19,6 +19,7 @@ import numpy as np
 
 from loaderd import crashpoints
 from loaderd.client.errors import ErrorCode
+from loaderd.cursor_log import Cursor, CursorLog
 from loaderd.importance import ImportanceConfig, ImportanceEngine
 from loaderd.journal import FeedbackJournal, read_json, write_atomic, write_json_atomic
 from loaderd.planner import RankPlan, plan_pass
@@ -26,6 +27,7 @@ from loaderd.planner import RankPlan, plan_pass
 logger = logging.getLogger(__name__)
 
 PHASES = ("train", "rescore")
+_LOG_LINES_PER_SAVE = 4096  # then job.json is written whole and the cursor log starts afresh
 MAX_WORLD_SIZE = 1 << 16
 
 
@@ -174,11 +176,15 @@ class Job:
         self._selections: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.dir = state_dir
         self.journal: FeedbackJournal | None = None
+        self.cursor_log: CursorLog | None = None
         self._dirty = False
+        self._new_pass = False  # a pass started since job.json was written
+        self._generation = 0  # of job.json, which the cursor log continues
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
             self._load()
             self.journal = FeedbackJournal(state_dir / "feedback.log")
+            self.cursor_log = CursorLog(state_dir / "cursors.log", self._generation)
 
     # --- passes -------------------------------------------------------------------------------
 
@@ -226,7 +232,7 @@ class Job:
             plan = self._plan(resume.epoch, phase)[rank]
             state = PassState.start(resume.epoch, phase, plan, set(resume.delivered))
             self.passes[rank] = state
-            self._dirty = True
+            self._dirty = self._new_pass = True
             logger.info(
                 "job %s rank %d: %s pass of epoch %d rewound to a checkpoint (%d batches done)",
                 self.spec.name,
@@ -249,15 +255,14 @@ class Job:
         if cur is not None and (cur.epoch, cur.phase) == (epoch, phase):
             if delivered:  # a consumer back after a restart: what it already had is done
                 self.ack(cur, delivered)
-            if cur.requeue(worker):  # this worker starts over: what it held and never acked
-                self._dirty = True
+            self._requeue(rank, cur, worker)  # this worker starts over: what it held, unacked
             return cur
         if phase == "train":
             self._check_rescored(epoch)
         plan = self._plan(epoch, phase)[rank]
         state = PassState.start(epoch, phase, plan)
         self.passes[rank] = state
-        self._dirty = True
+        self._dirty = self._new_pass = True
         crashpoints.hit("open-pass")
         if delivered:  # the daemon lost this pass's start: the consumer remembers it
             self.ack(state, delivered)
@@ -334,15 +339,22 @@ class Job:
         self.batches_served += 1
         self.samples_served += len(ids)
         self._dirty = True
+        if self.cursor_log is not None:
+            self.cursor_log.assign(rank, state.epoch, state.phase, index, worker)
         crashpoints.hit("assign")
         return index, ids, weights
 
     def requeue(self, rank: int, worker: int) -> int:
         """Put a gone consumer's unacknowledged batches back in its rank's queue."""
         cur = self.passes[rank] if 0 <= rank < self.spec.world_size else None
-        n = cur.requeue(worker) if cur is not None else 0
+        return self._requeue(rank, cur, worker) if cur is not None else 0
+
+    def _requeue(self, rank: int, state: PassState, worker: int) -> int:
+        n = state.requeue(worker)
         if n:
             self._dirty = True
+            if self.cursor_log is not None:
+                self.cursor_log.requeue(rank, state.epoch, state.phase, worker)
         return n
 
     def ack(self, state: PassState, indices: list[int]) -> None:
@@ -351,6 +363,10 @@ class Job:
         self.duplicate_acks += len(indices) - new
         if new:
             self._dirty = True
+            if self.cursor_log is not None:
+                rank = next(r for r, p in enumerate(self.passes) if p is state)
+                done = [i for i in indices if i in state.acked]
+                self.cursor_log.ack(rank, state.epoch, state.phase, done)
             crashpoints.hit("ack")
 
     def _plan(self, epoch: int, phase: str) -> list[RankPlan]:
@@ -447,10 +463,17 @@ class Job:
             "importance": self.engine.stats(),
         }
 
-    @property
-    def dirty(self) -> bool:
-        """Whether a cursor changed since the last ``save``."""
-        return self._dirty
+    def commit_cursors(self) -> None:
+        """Make every cursor change so far survive a crash of the daemon (not of the machine).
+
+        The changes go to the cursor log; a new pass, or a long log, writes job.json whole.
+        """
+        if self.cursor_log is None or not self._dirty:
+            return
+        if self._new_pass or self.cursor_log.lines >= _LOG_LINES_PER_SAVE:
+            self.save(sync=False)
+        else:
+            self.cursor_log.flush()
 
     def save(self, force: bool = False, sync: bool = True) -> None:
         """Persist the spec, counters and every rank's cursor (atomically), and sync feedback.
@@ -465,10 +488,12 @@ class Job:
             self.journal.sync()
         if not (self._dirty or force):
             return
+        generation = self._generation + 1
         write_json_atomic(
             self.dir / "job.json",
             {
                 "spec": asdict(self.spec),
+                "cursor_generation": generation,
                 "counters": {
                     "batches_served": self.batches_served,
                     "samples_served": self.samples_served,
@@ -488,7 +513,10 @@ class Job:
             },
             sync=sync,
         )
-        self._dirty = False
+        self._generation = generation
+        if self.cursor_log is not None:
+            self.cursor_log.reset(generation)  # job.json now holds all it had
+        self._dirty = self._new_pass = False
 
     def save_engine(self) -> None:
         """Snapshot the engine's arrays and empty the journal they now contain."""
@@ -528,12 +556,13 @@ class Job:
         for entry in FeedbackJournal.replay(self.dir / "feedback.log"):
             self.engine.record(entry.ids, entry.losses, entry.epoch, entry.kind)
             replayed += len(entry.ids)
-        for rank, r in enumerate(saved.get("ranks", [])[: self.spec.world_size]):
-            if r is not None:
-                plan = self._plan(int(r["epoch"]), r["phase"])[rank]
-                inflight = {int(i): int(w) for i, w in r.get("inflight", [])}
+        cursors = load_cursors(self.dir, saved, self.spec.world_size)
+        self._generation = int(saved.get("cursor_generation", 0))
+        for rank, c in enumerate(cursors):
+            if c is not None:
+                plan = self._plan(c["epoch"], c["phase"])[rank]
                 self.passes[rank] = PassState.start(
-                    int(r["epoch"]), r["phase"], plan, set(r["acked"]), inflight
+                    c["epoch"], c["phase"], plan, c["acked"], c["inflight"]
                 )
         logger.info(
             "job %s: restored at epoch %d (%d feedback samples replayed)",
@@ -548,6 +577,27 @@ class Job:
             self.save(force=True)
             self.save_engine()
             self.journal.close()
+            if self.cursor_log is not None:
+                self.cursor_log.close()
+
+
+def load_cursors(state_dir: Path, saved: dict[str, Any], world_size: int) -> list[Cursor | None]:
+    """Each rank's cursor as a restarted daemon sees it: job.json, then the cursor log."""
+    cursors: list[Cursor | None] = [
+        None
+        if r is None
+        else {
+            "epoch": int(r["epoch"]),
+            "phase": r["phase"],
+            "acked": {int(i) for i in r["acked"]},
+            "inflight": {int(i): int(w) for i, w in r.get("inflight", [])},
+        }
+        for r in saved.get("ranks", [])[:world_size]
+    ]
+    cursors += [None] * (world_size - len(cursors))
+    generation = int(saved.get("cursor_generation", 0))
+    CursorLog.replay(state_dir / "cursors.log", generation, cursors)
+    return cursors
 
 
 def _order(epoch: int, phase: str) -> tuple[int, int]:

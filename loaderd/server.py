@@ -213,8 +213,7 @@ class Server:
         trainers (and what they hold) down with it; the tick's save is the fsynced one.
         """
         for job in self.jobs.values():
-            if job.dirty:
-                job.save(sync=False)
+            job.commit_cursors()
         crashpoints.hit("commit")
         ready, self._ready = self._ready, []
         for key in ready:

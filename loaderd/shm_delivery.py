@@ -44,7 +44,7 @@ from loaderd.client.shm import (
     process_alive,
 )
 from loaderd.config import ShmConfig
-from loaderd.prefetch import Assembler
+from loaderd.prefetch import Assembler, gather_fixed
 
 logger = logging.getLogger(__name__)
 
@@ -315,15 +315,12 @@ class SlotAssembler:
             out_w = np.frombuffer(views[1], np.float32)
             out_w[:] = weights
             columns: dict[str, Column] = {}
-            for (name, dtype, shape, off, nbytes), view in zip(
-                base.fixed,
-                views[2:],
-                strict=True,
-            ):
+            outs = []
+            for (name, dtype, shape, off, nbytes), view in zip(base.fixed, views[2:], strict=True):
                 flat = np.frombuffer(view, np.uint8).reshape(n, nbytes)
-                for i, rec in enumerate(records):
-                    flat[i] = np.frombuffer(rec, np.uint8, nbytes, off)
+                outs.append((flat, off))
                 columns[name] = flat.view(dtype).reshape(n, *shape)
+            gather_fixed(records, outs)
         except BaseException:
             ring.release(slot)
             raise

@@ -15,7 +15,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from loaderd import crashpoints
-from loaderd.client import LoaderdDataset
+from loaderd.client import DaemonUnavailableError, LoaderdDataset
 from loaderd.launch import start_daemon
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon, wait_until
@@ -39,7 +39,16 @@ def trainer(address: str, rank: int, counter: mp.Value, out: mp.Queue) -> None:
         timeout_s=1.0,
         reconnect_s=30.0,
     )
-    ds.connect()  # the workers forked below then wait for a daemon restarting as they start
+    # The workers forked below wait for a daemon restarting as they start, once the dataset
+    # has reached it; the daemon may be down right now (a crash point fires on the first pass).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ds.connect()
+            break
+        except DaemonUnavailableError:
+            if time.monotonic() > deadline:
+                raise
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     got: list[list[int]] = []
     for _ in range(EPOCHS):
@@ -117,7 +126,9 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
 
     def arm(point: str) -> None:
         daemon.stop()
-        monkeypatch.setenv("LOADERD_CRASH_AT", f"{point}:{1 if point == 'open-pass' else 3}")
+        # job.json is replaced on the tick and at pass starts only: its first replace will do.
+        count = 1 if point in ("open-pass", "replace") else 3
+        monkeypatch.setenv("LOADERD_CRASH_AT", f"{point}:{count}")
         # Not daemon.start(): it may well die before it answered the readiness PING.
         daemon.proc = start_daemon(
             daemon.db, daemon.address, state_dir=daemon.state_dir, log=daemon.log
@@ -140,17 +151,21 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
         assert f"crash point {p!r} reached" in log
 
 
-def test_state_survives_in_job_json(daemon: Daemon) -> None:
+def test_state_survives_on_disk(daemon: Daemon) -> None:
     """The cursor a restarted daemon starts from: acked and in-flight batches per rank."""
     import json
+
+    from loaderd.jobs import load_cursors
 
     ds = LoaderdDataset(daemon.address, job="cur", batch_size=48, timeout_s=1.0)
     it = iter(ds)
     first = next(it)["id"].numpy().copy()  # shm views live until the next batch
     daemon.kill()
-    saved = json.loads((daemon.state_dir / "jobs" / "cur" / "job.json").read_text())
-    rank = saved["ranks"][0]
-    assert rank["inflight"], "batches handed out are in job.json before they are sent"
+    job_dir = daemon.state_dir / "jobs" / "cur"
+    saved = json.loads((job_dir / "job.json").read_text())
+    (rank,) = load_cursors(job_dir, saved, 1)
+    assert rank is not None
+    assert rank["inflight"], "batches handed out are on disk (job.json + cursor log) before sent"
     daemon.start()
     rest = np.concatenate([b["id"].numpy().copy() for b in it])
     assert sorted(np.concatenate([first, rest]).tolist()) == list(range(N_SAMPLES))
