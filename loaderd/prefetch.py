@@ -78,7 +78,7 @@ class Assembler:
         n = len(records)
         columns: dict[str, Column] = {}
         outs = []
-        for name, dtype, shape, off, nbytes in self.fixed:
+        for name, dtype, shape, off, _ in self.fixed:
             out = np.empty((n, *shape), dtype)
             outs.append((out.reshape(n, int(np.prod(shape))).view(np.uint8), off))
             columns[name] = out
