@@ -26,8 +26,5 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, n
 
 @pytest.fixture
 def daemon(dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(db=dataset[0], state_dir=tmp_path / "state").start()
-    try:
+    with Daemon(db=dataset[0], state_dir=tmp_path / "state") as d:
         yield d
-    finally:
-        d.close()

@@ -77,6 +77,12 @@ class Daemon:
         assert self.proc is not None
         return stop_daemon(self.proc, timeout_s=10)
 
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             stop_daemon(self.proc, timeout_s=5)

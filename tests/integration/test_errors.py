@@ -91,15 +91,12 @@ def test_corrupt_record_names_the_sample_and_daemon_stays_up(
         rec[-1] ^= 0xFF
         txn.put(sample_key(7), bytes(rec))
     env.close()
-    d = Daemon(db=db, state_dir=tmp_path / "state").start()
-    try:
+    with Daemon(db=db, state_dir=tmp_path / "state") as d:
         ds = LoaderdDataset(d.address, job="c", batch_size=480)  # one batch holds sample 7
         with pytest.raises(RemoteError, match="sample 7") as e:
             list(ds)
         assert e.value.code == ErrorCode.CORRUPT_RECORD
         assert ds.stats()["dataset"]["samples"] == 480
-    finally:
-        d.close()
 
 
 def test_malformed_messages_get_error_replies_on_a_kept_connection(daemon: Daemon) -> None:

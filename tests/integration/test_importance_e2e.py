@@ -59,11 +59,8 @@ LossFn = Callable[[np.ndarray, int], np.ndarray]
 
 @pytest.fixture
 def second_daemon(dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(db=dataset[0], state_dir=tmp_path / "state2").start()
-    try:
+    with Daemon(db=dataset[0], state_dir=tmp_path / "state2") as d:
         yield d
-    finally:
-        d.close()
 
 
 def dataset_for(daemon: Daemon, job: str, **kw: Any) -> LoaderdDataset:

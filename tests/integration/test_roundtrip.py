@@ -60,16 +60,13 @@ def test_variable_length_fields_round_trip(tmp_path: Path) -> None:
         pa.table({"text": texts, "blob": blobs, "y": np.arange(40.0)}), tmp_path / "t.parquet"
     )
     ingest(tmp_path / "t.parquet", tmp_path / "t.db", progress=False)
-    d = Daemon(db=tmp_path / "t.db", state_dir=tmp_path / "state").start()
-    try:
+    with Daemon(db=tmp_path / "t.db", state_dir=tmp_path / "state") as d:
         ds = LoaderdDataset(d.address, job="var", batch_size=16)
         got = {}
         for batch in ds:
             for k, i in enumerate(batch["id"].tolist()):
                 got[i] = (batch["text"][k], batch["blob"][k], float(batch["y"][k]))
         assert got == {i: (texts[i], blobs[i], float(i)) for i in range(40)}
-    finally:
-        d.close()
 
 
 def test_breaking_out_of_an_epoch_resumes_it(daemon: Daemon) -> None:

@@ -140,8 +140,7 @@ def test_killed_clients_slots_are_reclaimed(daemon: Daemon) -> None:
 def test_killed_daemon_leaves_nothing_that_stops_a_restart(
     dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
-    d = Daemon(db=dataset[0], state_dir=tmp_path / "state").start()
-    try:
+    with Daemon(db=dataset[0], state_dir=tmp_path / "state") as d:
         ds = LoaderdDataset(d.address, job="crash", batch_size=32)
         next(iter(ds))
         ring = shm_stats(ds)["ring"]
@@ -158,5 +157,3 @@ def test_killed_daemon_leaves_nothing_that_stops_a_restart(
         s = shm_stats(ds2)
         assert s["ring"] != ring and s["delivered"] > 0
         ds2.close()
-    finally:
-        d.close()
