@@ -437,6 +437,15 @@ class Job:
 
     # --- state --------------------------------------------------------------------------------
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """The counters saved in job.json and shown in stats (feedback is the engine's)."""
+        return {
+            "batches_served": self.batches_served,
+            "samples_served": self.samples_served,
+            "duplicate_acks": self.duplicate_acks,
+        }
+
     def stats(self) -> dict[str, Any]:
         """The job's counters and its importance engine's view."""
         return {
@@ -444,10 +453,8 @@ class Job:
             "world_size": self.spec.world_size,
             "batch_size": self.spec.batch_size,
             "seed": self.spec.seed,
-            "batches_served": self.batches_served,
-            "samples_served": self.samples_served,
+            **self.counters,
             "feedback_samples": self.engine.stats()["feedback_samples"],
-            "duplicate_acks": self.duplicate_acks,
             "ranks": [
                 None
                 if p is None
@@ -494,11 +501,7 @@ class Job:
             {
                 "spec": asdict(self.spec),
                 "cursor_generation": generation,
-                "counters": {
-                    "batches_served": self.batches_served,
-                    "samples_served": self.samples_served,
-                    "duplicate_acks": self.duplicate_acks,
-                },
+                "counters": self.counters,
                 "ranks": [
                     None
                     if p is None
