@@ -134,6 +134,10 @@ class Prefetcher:
     def __contains__(self, key: Key) -> bool:
         return key in self._futures
 
+    def get(self, key: Key) -> Future[BatchArrays] | None:
+        """The current assembly of ``key``, if any."""
+        return self._futures.get(key)
+
     def pop(self, key: Key) -> Future[BatchArrays] | None:
         """Forget a key (its batch was sent or is no longer wanted)."""
         return self._futures.pop(key, None)

@@ -140,6 +140,8 @@ class Server:
         # Batches ready when asked for go out only after the loop turn's cursors are written,
         # so a batch a trainer may hold is never handed to another consumer after a crash.
         self._ready: list[BatchKey] = []
+        # ACK replies wait for the cursor commit too: an acknowledged ACK is never lost.
+        self._acked_replies: list[tuple[bytes, Message]] = []
         self.consumers = Consumers(config.consumer_timeout_s)
         self._load_jobs()
         self.ctx = zmq.Context()
@@ -218,6 +220,9 @@ class Server:
         ready, self._ready = self._ready, []
         for key in ready:
             self._deliver(key)
+        replies, self._acked_replies = self._acked_replies, []
+        for identity, reply in replies:
+            self._send(identity, reply)
 
     def _commit_feedback(self) -> None:
         if not self._unsynced:
@@ -443,11 +448,15 @@ class Server:
 
     def _deliver(self, key: BatchKey) -> None:
         """Send an assembled batch to whoever is waiting for it."""
+        fut = self.prefetcher.get(key)
+        if fut is None or not fut.done():
+            # A stale announcement: the batch went back to the queue and was handed out again
+            # under the same key before its first assembly finished; the new one announces itself.
+            return
         waiters = self._waiting.pop(key, None)
         if not waiters:
             return  # assembled ahead of demand: it waits in the prefetcher
-        fut = self.prefetcher.pop(key)
-        assert fut is not None and fut.done()
+        self.prefetcher.pop(key)
         _, _, epoch, phase, index = key
         arrays = None
         for identity, request_id in waiters:
@@ -477,7 +486,7 @@ class Server:
         if arrays is not None:
             self.shm.settle(arrays)
 
-    def _ack(self, identity: bytes, msg: Message) -> Message:
+    def _ack(self, identity: bytes, msg: Message) -> None:
         m = msg.meta
         job = self._job(m)
         self.shm.release_acked(identity, m)
@@ -487,7 +496,8 @@ class Server:
             job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
             if state.complete:
                 self._retry_parked()
-        return Message(MsgType.OK, msg.request_id)
+        self._acked_replies.append((identity, Message(MsgType.OK, msg.request_id)))
+        return None
 
     def _feedback(self, identity: bytes, msg: Message) -> None:
         job = self._job(msg.meta)
