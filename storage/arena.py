@@ -47,6 +47,7 @@ from loaderd.storage.arena_format import (
 )
 from loaderd.storage.arena_snapshot import SnapshotRegion
 from loaderd.storage.errors import CorruptRecordError, StorageError, StoreFullError
+from loaderd.storage.safe_files import UnsafePathError, open_private
 
 __all__ = ["HEADER_PAGE", "Arena", "record_extent"]
 
@@ -113,7 +114,10 @@ class Arena:
 
         t0 = time.perf_counter()
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # A shared --nvram-dir (/dev/shm) lets anyone plant the name: adopt only our file.
+            self._fd = open_private(self.path, "arena")
+        except UnsafePathError as e:
+            raise StorageError(str(e)) from e
         except OSError as e:
             raise StorageError(f"cannot open arena {self.path}: {e}") from e
         try:

@@ -58,7 +58,8 @@ class SnapshotRegion:
 
     The writer targets the slot that does not hold the newest whole snapshot of the same job,
     so that job's previous snapshot stays readable until the new one is committed. The region
-    holds two snapshots in all: another job's snapshot may be the one overwritten.
+    holds two snapshots in all: ``evicts`` says whose snapshot the next write of a job would
+    overwrite, and the daemon writes that job's snapshots elsewhere rather than let it happen.
 
     Attributes:
         lock: Serialises writers and readers of the region.
@@ -150,6 +151,14 @@ class SnapshotRegion:
         if len(live) < 2:
             return next(i for i, s in enumerate(self._slots) if s is None)
         return live[-1][1]
+
+    def evicts(self, job: str) -> str | None:
+        """The other job whose whole snapshot the next write of ``job`` would overwrite."""
+        with self.lock:
+            if not self._slot_bytes:
+                return None
+            slot = self._slots[self._target(job)]
+            return slot.job if slot is not None and slot.job != job else None
 
     def write(self, job: str, step: int, payload: Payload) -> None:
         """Write a snapshot so that a crash at any moment leaves the previous one readable.

@@ -1,10 +1,20 @@
-"""The DRAM tier: verified records held in the daemon's memory, bounded in bytes."""
+"""The DRAM tier: verified records held in the daemon's memory, bounded in bytes.
+
+A record is held either as bytes of its own, or, when it came from the store and the store
+can lock its pages in RAM (``storage/pinning.py``), as a view of those pages: admitted without
+a copy, unlocked when it leaves the tier.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
+
+Record = bytes | memoryview
+Pin = Callable[[memoryview], "Callable[[], None] | None"]
+Held = tuple[Record, "Callable[[], None] | None"]  # what the tier keeps, and its unlock
 
 
 class DramCache:
@@ -15,20 +25,25 @@ class DramCache:
 
     Args:
         capacity_bytes: the most record bytes held at once; 0 disables the tier.
+        pin: locks a view's pages in RAM and returns the unlock, or None (then the record
+            is copied); without it every view is copied.
     """
 
     name = "dram"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, pin: Pin | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"`capacity_bytes` must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.hits = self.misses = self.evictions = 0
-        self._items: OrderedDict[int, bytes] = OrderedDict()
+        self.pinned = 0  # records held as locked views of the store's pages
+        self._pin = pin
+        self._items: OrderedDict[int, Record] = OrderedDict()
+        self._unpin: dict[int, Callable[[], None]] = {}
         self._lock = threading.Lock()
 
-    def get(self, sample_id: int) -> bytes | None:
+    def get(self, sample_id: int) -> Record | None:
         """The record, marked most recently used, or None on a miss."""
         with self._lock:
             rec = self._items.get(sample_id)
@@ -39,30 +54,64 @@ class DramCache:
             self.hits += 1
             return rec
 
-    def put(self, sample_id: int, record: bytes) -> bool:
-        """Admit a record, evicting the least recently used ones; False if it cannot fit."""
+    def hold(self, record: Record) -> Held:
+        """What ``put`` keeps of a record: a view with its pages locked in RAM, else a copy.
+
+        The tier never holds memory that someone else may reuse. This is the costly part of
+        an admission (a system call or a copy), so callers that hold a lock of their own
+        call it before taking that lock and pass the result to ``put``.
+        """
+        if isinstance(record, memoryview):
+            unpin = self._pin(record) if self._pin is not None else None
+            return (record, unpin) if unpin is not None else (bytes(record), None)
+        return record, None
+
+    def put(self, sample_id: int, record: Record, held: Held | None = None) -> bool:
+        """Admit a record, evicting the least recently used ones; False if it cannot fit.
+
+        Args:
+            sample_id: the record's id.
+            record: its verified bytes (a view is locked or copied, see ``hold``).
+            held: ``hold(record)`` done already; released here if the record cannot fit.
+        """
         size = len(record)
         if size > self.capacity_bytes:
+            if held is not None and held[1] is not None:
+                held[1]()
             return False
+        record, unpin = held if held is not None else self.hold(record)
         with self._lock:
-            old = self._items.pop(sample_id, None)
-            if old is not None:
-                self.used_bytes -= len(old)
+            self._drop(sample_id)
             while self.used_bytes + size > self.capacity_bytes:
-                _, victim = self._items.popitem(last=False)
-                self.used_bytes -= len(victim)
+                self._drop(next(iter(self._items)))
                 self.evictions += 1
             self._items[sample_id] = record
             self.used_bytes += size
+            if unpin is not None:
+                self._unpin[sample_id] = unpin
+                self.pinned += 1
             return True
 
-    def discard(self, sample_id: int) -> bytes | None:
+    def discard(self, sample_id: int) -> Record | None:
         """Remove a record without counting an eviction; returns it, or None if absent."""
         with self._lock:
-            rec = self._items.pop(sample_id, None)
-            if rec is not None:
-                self.used_bytes -= len(rec)
-            return rec
+            return self._drop(sample_id)
+
+    def _drop(self, sample_id: int) -> Record | None:
+        rec = self._items.pop(sample_id, None)
+        if rec is not None:
+            self.used_bytes -= len(rec)
+            unpin = self._unpin.pop(sample_id, None)
+            if unpin is not None:
+                unpin()
+                self.pinned -= 1
+        return rec
+
+    def clear(self) -> None:
+        """Drop every record (before the store's map goes away)."""
+        with self._lock:
+            for sid in list(self._items):
+                self._drop(sid)
 
     def __contains__(self, sample_id: int) -> bool:
         return sample_id in self._items
@@ -82,5 +131,6 @@ class DramCache:
                 "hits": self.hits,
                 "misses": self.misses,
                 "evictions": self.evictions,
+                "pinned": self.pinned,
                 "hit_rate": self.hits / lookups if lookups else 0.0,
             }

@@ -26,3 +26,7 @@ class StoreFullError(StorageError):
 
 class SourceError(StorageError):
     """An ingest source is missing, unreadable, empty or of an unsupported kind."""
+
+
+class ResumeError(SourceError):
+    """An interrupted ingest cannot be continued: another source, or another ingest is live."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import re
@@ -20,13 +21,13 @@ from typing import IO, Any
 
 import numpy as np
 
+from loaderd.storage.arrow_columns import make_field
 from loaderd.storage.errors import SourceError
 from loaderd.storage.readers import (
     Array,
     ColumnBatch,
     Source,
     checked_schema,
-    make_field,
     one_line,
 )
 from loaderd.storage.records import Field
@@ -193,16 +194,21 @@ class ImageFolderSource(Source):
             raise SourceError(f"{root}: the dataset is empty (0 images under {classes[:5]})")
         self.total = len(self.files)
         self.extra_info = {"classes": classes}
+        names = json.dumps({"names": classes})
         self.schema = checked_schema(
-            self.where, [Field("image", "binary"), Field("label", "int64")]
+            self.where, [Field("image", "binary"), Field("label", "int64", info=names)]
         )
 
     def batches(self) -> Iterator[ColumnBatch]:
         """See ``Source.batches``."""
+        return self.batches_from(0)
+
+    def batches_from(self, start: int) -> Iterator[ColumnBatch]:
+        """See ``Source.batches_from``: the files before ``start`` are not read."""
         labels = np.asarray(self.labels, np.int64)
         with ThreadPoolExecutor(self._READERS, thread_name_prefix="ingest-read") as pool:
-            for start in range(0, len(self.files), self.batch_rows):
-                files = self.files[start : start + self.batch_rows]
+            for at in range(start, len(self.files), self.batch_rows):
+                files = self.files[at : at + self.batch_rows]
                 try:
                     images = list(pool.map(Path.read_bytes, files))
                 except OSError as e:
@@ -211,7 +217,7 @@ class ImageFolderSource(Source):
                     ) from e
                 yield ColumnBatch(
                     len(files),
-                    fixed={"label": labels[start : start + len(files)]},
+                    fixed={"label": labels[at : at + len(files)]},
                     variable={"image": images},
                 )
 
@@ -228,13 +234,19 @@ def _images_under(directory: Path) -> Iterator[Path]:
 
 
 class WebDatasetSource(Source):
-    """WebDataset tar shards: files grouped into samples by key, one field per extension.
+    """WebDataset tar shards, named as the ``webdataset`` library names them.
 
-    Every extension becomes a binary field holding the file's bytes, except ``cls``, which
-    becomes the int64 field ``label``. Every sample must carry the same extensions.
+    Files are grouped into samples by key (the path up to the first dot of the file name);
+    each sample has the string field ``__key__`` and one field per extension, named by the
+    extension (lower case, e.g. ``jpg``, ``seg.png``): the integer extensions of
+    ``webdataset``'s default decoders (``cls``, ``cls2``, ``class``, ``count``, ``index``,
+    ``inx``) as int64, ``txt`` / ``text`` / ``transcript`` / ``json`` as strings, the rest
+    as the file's bytes. Every sample must carry the same extensions.
     """
 
     kind = "webdataset"
+    INT_EXTENSIONS = ("cls", "cls2", "class", "count", "index", "inx")
+    TEXT_EXTENSIONS = ("txt", "text", "transcript", "json")
 
     def __init__(self, where: str, shards: list[Path], batch_rows: int) -> None:
         self.where, self.batch_rows, self.extra_info = where, batch_rows, {"shards": len(shards)}
@@ -245,11 +257,13 @@ class WebDatasetSource(Source):
             raise SourceError(f"{where}: the dataset is empty (0 samples)")
         self._first: tuple[Path, str, dict[str, bytes]] | None = first
         self._exts = sorted(first[2])
-        fields = [
-            Field("label", "int64") if e == "cls" else make_field(where, e, "binary")
-            for e in self._exts
-        ]
+        fields = [Field("__key__", "string"), *(self._field(e) for e in self._exts)]
         self.schema = checked_schema(where, fields)
+
+    def _field(self, ext: str) -> Field:
+        if ext in self.INT_EXTENSIONS:
+            return make_field(self.where, ext, "int64")
+        return make_field(self.where, ext, "string" if ext in self.TEXT_EXTENSIONS else "binary")
 
     def _samples(self, shards: list[Path]) -> Iterator[tuple[Path, str, dict[str, bytes]]]:
         for shard in shards:
@@ -290,20 +304,21 @@ class WebDatasetSource(Source):
                         f"{shard}: sample {key!r} has files {sorted(files)}, "
                         f"the first sample had {self._exts}"
                     )
+            out.variable["__key__"] = [key.encode() for _, key, _ in chunk]
             for ext in self._exts:
-                if ext == "cls":
-                    out.fixed["label"] = np.array(
-                        [_parse_cls(shard, key, f["cls"]) for shard, key, f in chunk], np.int64
+                if ext in self.INT_EXTENSIONS:
+                    out.fixed[ext] = np.array(
+                        [_parse_int(shard, key, ext, f[ext]) for shard, key, f in chunk], np.int64
                     )
                 else:
                     out.variable[ext] = [f[ext] for _, _, f in chunk]
             yield out
 
 
-def _parse_cls(shard: Path, key: str, raw: bytes) -> int:
+def _parse_int(shard: Path, key: str, ext: str, raw: bytes) -> int:
     try:
         return int(raw.decode().strip())
     except (UnicodeDecodeError, ValueError):
         raise SourceError(
-            f"{shard}: sample {key!r}: .cls holds {raw[:20]!r}, not an integer"
+            f"{shard}: sample {key!r}: .{ext} holds {raw[:20]!r}, not an integer"
         ) from None

@@ -3,20 +3,24 @@
 ``ingest`` is what ``loaderd ingest SOURCE --out DB`` runs: ``readers.open_source`` detects
 the kind and yields column batches, ``BatchEncoder`` turns each batch into checksummed
 records, and ``StoreWriter`` appends them in one LMDB transaction per batch. The store is
-built in a temporary sibling directory and renamed into place at the end, so an ingest that
-fails or is interrupted leaves nothing at ``out``.
+built in the sibling ``.OUT.partial`` and renamed into place at the end, so an ingest that
+fails or is interrupted leaves nothing at ``out``; an interrupted one is continued by the
+next ingest of the same source into the same ``out`` (``ingest_resume``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
@@ -25,6 +29,7 @@ import pyarrow.fs as pafs
 import xxhash
 from tqdm import tqdm
 
+from loaderd.storage.arrow_columns import ColumnOptions, SchemaChange
 from loaderd.storage.errors import SourceError
 from loaderd.storage.file_sources import (
     IMAGE_EXTENSIONS,
@@ -32,18 +37,22 @@ from loaderd.storage.file_sources import (
     NpzSource,
     WebDatasetSource,
 )
+from loaderd.storage.ingest_resume import check_same_source, source_identity, with_learned
 from loaderd.storage.readers import (
+    ArrowSource,
     ColumnBatch,
     Source,
     one_line,
     open_arrow_dataset,
-    open_arrow_stream,
+    open_arrow_streams,
     open_feather_v1,
+    open_huggingface,
 )
 from loaderd.storage.records import RECORD_HEADER, RECORD_VERSION, Schema, seal
-from loaderd.storage.store import StoreWriter
+from loaderd.storage.store import StoreWriter, discard_partial, read_partial
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The per-field length prefix of a record's variable part: the layout in records.py's
 # docstring. tests/unit/test_ingest.py pins BatchEncoder byte for byte to RecordCodec.encode.
@@ -65,6 +74,10 @@ class IngestSummary:
         source: the source as given.
         out: the store directory.
         kind: the detected source kind (``parquet``, ``npz``, ``imagefolder``, ...).
+        fields: the stored fields, as ``name:dtype[shape]`` (with their kind where not plain).
+        restarts: how often the ingest started again because a later batch showed a ragged
+            list or a null the first batch did not.
+        resumed_at: the samples an interrupted ingest had written, which this one kept.
     """
 
     samples: int
@@ -73,12 +86,16 @@ class IngestSummary:
     source: str
     out: Path
     kind: str = ""
+    fields: str = ""
+    restarts: int = 0
+    resumed_at: int = 0
 
     def __str__(self) -> str:
-        rate = self.bytes / self.seconds / 1e6 if self.seconds > 0 else float("inf")
+        mib = self.bytes / 2**20
+        rate = mib / self.seconds if self.seconds > 0 else float("inf")
         return (
-            f"ingested {self.samples} samples ({self.bytes / 1e6:.1f} MB) from {self.kind} "
-            f"{self.source} into {self.out} in {self.seconds:.2f} s ({rate:.1f} MB/s)"
+            f"ingested {self.samples:,} samples ({mib:,.1f} MiB) from {self.kind} "
+            f"{self.source} into {self.out} in {self.seconds:.1f} s ({rate:,.1f} MiB/s)"
         )
 
 
@@ -89,17 +106,30 @@ def ingest(
     overwrite: bool = False,
     progress: bool = True,
     batch_rows: int = 4096,
+    columns: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    resume: bool = True,
 ) -> IngestSummary:
     """Write every sample of ``source`` into a new store at ``out``.
 
+    An interrupted ingest (killed, ^C, a full disk) leaves its committed batches in the
+    partial store ``.OUT.partial`` beside ``out``; the same call later continues from there,
+    and the store is the one an uninterrupted ingest writes. A different source or options
+    is refused (``ResumeError``).
+
     Args:
         source: a Parquet file or folder, an Arrow IPC / Feather file (file or stream
-            format), an ``.npz``, an ImageFolder tree, WebDataset ``.tar`` shards (a file or a
-            folder), or an object-store URI of Parquet / Arrow data.
+            format), a Hugging Face ``save_to_disk`` folder, an ``.npz``, an ImageFolder
+            tree, WebDataset ``.tar`` shards (a file or a folder), or an object-store URI of
+            Parquet / Arrow data.
         out: the store directory to create.
         overwrite: replace ``out`` if it exists (only once the new store is complete).
         progress: draw a progress bar on stderr.
         batch_rows: samples per read batch and per LMDB write transaction.
+        columns: ingest only these fields (a struct's name selects all its children).
+        exclude: skip these fields.
+        resume: continue an interrupted ingest into ``out``; False drops its partial store
+            and starts over (``--restart``).
 
     Returns:
         What was written.
@@ -108,50 +138,132 @@ def ingest(
         SourceError: the source is missing, unreadable, empty, of an unsupported kind or has
             a field loaderd cannot store; nothing is left at ``out``.
         FileExistsError: ``out`` exists and ``overwrite`` is False.
-        StoreFullError: the store could not be written (e.g. the disk is full).
+        StoreFullError: the store could not be written (e.g. the disk is full); what was
+            written is kept for a later call to continue.
+        ResumeError: the interrupted ingest at ``out`` read another source, or with other
+            options; or another ingest is writing ``out`` right now.
     """
     if batch_rows <= 0:
         raise ValueError(f"`batch_rows` must be positive, got {batch_rows}")
     start = time.perf_counter()
+    options = ColumnOptions(tuple(columns), tuple(exclude))
+    if not resume:
+        discard_partial(out)
+    elif (partial := read_partial(out)) is not None:
+        options = with_learned(options, partial["identity"])
+    restarts = 0
+    while True:
+        try:
+            summary = _ingest_once(source, out, overwrite, progress, batch_rows, options)
+            break
+        except SchemaChange as e:
+            # Shown only by a later batch: start again with the column ragged or nullable
+            # (the partial store is dropped; the first pass cost at most what it read).
+            restarts += 1
+            how = "variable-length" if e.ragged else "nullable"
+            logger.warning("%s; starting again with %r %s", e, e.column, how)
+            options = replace(
+                options,
+                ragged=options.ragged | ({e.column} if e.ragged else set()),
+                nullable=options.nullable | ({e.column} if e.nullable else set()),
+            )
+    return replace(summary, seconds=time.perf_counter() - start, restarts=restarts)
+
+
+def _ingest_once(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    overwrite: bool,
+    progress: bool,
+    batch_rows: int,
+    options: ColumnOptions,
+) -> IngestSummary:
     where = os.fspath(source)
-    with open_source(source, batch_rows=batch_rows) as src:
-        logger.info("ingesting %s %s: %s", src.kind, where, _describe(src.schema))
+    with open_source(source, batch_rows=batch_rows, options=options) as src:
+        logger.debug("ingesting %s %s: %s", src.kind, where, _describe(src.schema))
+        identity = _bounded(where, lambda: source_identity(where, src, options, batch_rows))
+        partial = read_partial(out)
+        if partial is not None:
+            check_same_source(Path(out), partial["identity"], identity)
         encoder = BatchEncoder(src.schema)
-        with (
-            StoreWriter(out, src.schema, overwrite=overwrite) as writer,
-            tqdm(
+        with StoreWriter(out, src.schema, overwrite=overwrite, resumable=identity) as writer:
+            start = writer.resumed_at
+            dictionaries = _Dictionaries(src, writer)
+            if start:
+                logger.warning("continuing the interrupted ingest into %s at sample %d", out, start)
+            with tqdm(
                 total=src.total,
+                initial=start,
                 desc=f"ingest {src.kind}",
                 unit=" samples",
                 disable=not progress,
                 file=sys.stderr,
                 dynamic_ncols=True,
-            ) as bar,
-        ):
-            for batch in src.batches():
-                writer.append(encoder.encode(batch))
-                bar.update(batch.rows)
-                bar.set_postfix_str(f"{writer.bytes / 1e6:.1f} MB", refresh=False)
-            writer.commit({"source": where, "source_kind": src.kind, **src.extra_info})
-        summary = IngestSummary(
+            ) as bar:
+                for batch in src.batches_from(start):
+                    records = encoder.encode(batch)
+                    writer.append(records, dictionaries.growth())
+                    bar.update(batch.rows)
+                    bar.set_postfix_str(f"{writer.bytes / 2**20:,.1f} MiB", refresh=False)
+            info: dict[str, Any] = {"source": where, "source_kind": src.kind, **src.extra_info}
+            if dictionaries.values:
+                info["dictionaries"] = dictionaries.values
+            writer.commit(info, schema=src.final_schema())
+        return IngestSummary(
             samples=writer.count,
             bytes=writer.bytes,
-            seconds=time.perf_counter() - start,
+            seconds=0.0,
             source=where,
             out=writer.path,
             kind=src.kind,
+            fields=_describe(src.final_schema()),
+            resumed_at=start,
         )
-    logger.info("%s", summary)
-    return summary
 
 
-def open_source(source: str | os.PathLike[str], *, batch_rows: int = 4096) -> Source:
+class _Dictionaries:
+    """Dictionary columns' values, saved with each batch so a resumed ingest numbers alike.
+
+    Each batch saves only the values it added, under ``dict:<column>``, NUL, ``<first code>``.
+    """
+
+    def __init__(self, src: Source, writer: StoreWriter) -> None:
+        self._src = src
+        saved: dict[str, list[Any]] = {}
+        for key, raw in writer.partial_items(b"dict:"):
+            saved.setdefault(key[5:].split(b"\0")[0].decode(), []).extend(json.loads(raw))
+        if saved and isinstance(src, ArrowSource):
+            src.restore_dictionaries(saved)
+        self._saved = {name: len(v) for name, v in self.values.items()}
+
+    @property
+    def values(self) -> dict[str, list[Any]]:
+        return dict(getattr(self._src, "dictionaries", None) or {})
+
+    def growth(self) -> dict[bytes, bytes]:
+        out = {}
+        for name, values in self.values.items():
+            done = self._saved.get(name, 0)
+            if len(values) > done:
+                key = f"dict:{name}\0{done:012d}".encode()
+                out[key] = json.dumps(values[done:]).encode()
+                self._saved[name] = len(values)
+        return out
+
+
+def open_source(
+    source: str | os.PathLike[str],
+    *,
+    batch_rows: int = 4096,
+    options: ColumnOptions | None = None,
+) -> Source:
     """Detect what ``source`` is and open it.
 
     Args:
         source: a local path, a ``file://`` URI, or an object-store URI (``s3://``, ``gs://``,
             ...) of Parquet or Arrow data.
         batch_rows: the most samples per ``ColumnBatch``.
+        options: which columns to take, and how (``arrow_columns.ColumnOptions``).
 
     Returns:
         The opened source; its first batch has been read already to settle the schema.
@@ -160,6 +272,14 @@ def open_source(source: str | os.PathLike[str], *, batch_rows: int = 4096) -> So
         SourceError: the source is missing, unreadable, empty, of an unsupported kind, or has
             a column loaderd cannot store.
     """
+    options = options or ColumnOptions()
+    src = _open(source, batch_rows, options)
+    if isinstance(src, ArrowSource) or not (options.columns or options.exclude):
+        return src
+    return SelectedSource(src, options)
+
+
+def _open(source: str | os.PathLike[str], batch_rows: int, options: ColumnOptions) -> Source:
     if batch_rows <= 0:
         raise ValueError(f"`batch_rows` must be positive, got {batch_rows}")
     text = os.fspath(source)
@@ -167,21 +287,19 @@ def open_source(source: str | os.PathLike[str], *, batch_rows: int = 4096) -> So
     if url.scheme == "file":
         text = url.path
     elif len(url.scheme) > 1:  # one letter is a Windows drive, not a scheme
-        return _open_uri(text, batch_rows)
+        return _open_uri(text, batch_rows, options)
     path = Path(text)
     if not path.exists():
         raise SourceError(f"{path}: no such file or directory")
     if path.is_dir():
-        return _open_dir(path, batch_rows)
+        return _open_dir(path, batch_rows, options)
     kind = _sniff(path)
-    if kind == "parquet":
-        return open_arrow_dataset(str(path), "parquet", [str(path)], "parquet", None, batch_rows)
-    if kind == "arrow":
-        return open_arrow_dataset(str(path), "arrow", [str(path)], "arrow", None, batch_rows)
+    if kind in ("parquet", "arrow"):
+        return open_arrow_dataset(str(path), kind, [str(path)], kind, None, batch_rows, options)
     if kind == "arrow-stream":
-        return open_arrow_stream(path, batch_rows)
+        return open_arrow_streams(str(path), [path], "arrow-stream", batch_rows, options)
     if kind == "feather-v1":
-        return open_feather_v1(path, batch_rows)
+        return open_feather_v1(path, batch_rows, options)
     if kind == "npz":
         return NpzSource(path, batch_rows)
     if kind == "tar":
@@ -238,7 +356,15 @@ def _hidden(rel: Path) -> bool:
     return any(part.startswith((".", "_")) for part in rel.parts)
 
 
-def _open_dir(root: Path, batch_rows: int) -> Source:
+def _open_dir(root: Path, batch_rows: int, options: ColumnOptions) -> Source:
+    if (root / "dataset_dict.json").is_file():
+        splits = sorted(d.name for d in root.iterdir() if (d / "state.json").is_file())
+        raise SourceError(
+            f"{root}: a Hugging Face DatasetDict of splits {splits}; ingest one split's "
+            f"folder, e.g. {root / (splits[0] if splits else 'train')}"
+        )
+    if (root / "state.json").is_file():
+        return open_huggingface(root, batch_rows, options)
     by_kind: dict[str, list[Path]] = {}
     try:
         files = sorted(p for p in root.rglob("*") if p.is_file())
@@ -261,10 +387,13 @@ def _open_dir(root: Path, batch_rows: int) -> Source:
     data_kinds = sorted(by_kind.keys() - {"image"})
     if len(data_kinds) > 1:
         raise SourceError(f"{root}: holds more than one kind of data ({', '.join(data_kinds)})")
+    if data_kinds == ["arrow"] and _sniff(by_kind["arrow"][0]) == "arrow-stream":
+        streams = by_kind["arrow"]
+        return open_arrow_streams(str(root), streams, "arrow-stream-folder", batch_rows, options)
     if data_kinds == ["parquet"] or data_kinds == ["arrow"]:
         fmt = data_kinds[0]
         paths = [str(p) for p in by_kind[fmt]]
-        return open_arrow_dataset(str(root), fmt, paths, f"{fmt}-folder", None, batch_rows)
+        return open_arrow_dataset(str(root), fmt, paths, f"{fmt}-folder", None, batch_rows, options)
     if data_kinds == ["tar"]:
         return WebDatasetSource(str(root), by_kind["tar"], batch_rows)
     if data_kinds == ["npz"]:
@@ -279,21 +408,93 @@ def _open_dir(root: Path, batch_rows: int) -> Source:
     raise SourceError(f"{root}: the directory is empty (expected {_SUPPORTED})")
 
 
-def _open_uri(uri: str, batch_rows: int) -> Source:
+# How long opening an object-store URI may take (credentials, listing, the first batch): an
+# unreachable endpoint otherwise hangs in the SDK's retries for minutes without a word.
+URI_OPEN_TIMEOUT_S = 60.0
+
+
+def _open_uri(uri: str, batch_rows: int, options: ColumnOptions) -> Source:
     fmt = "arrow" if uri.lower().rstrip("/").endswith(_ARROW_EXT) else "parquet"
+
+    def opened() -> Source:
+        try:
+            fs, path = pafs.FileSystem.from_uri(uri)
+            info = fs.get_file_info(path)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise SourceError(f"{uri}: cannot open ({one_line(e)})") from e
+        if info.type == pafs.FileType.NotFound:
+            raise SourceError(f"{uri}: no such file or directory")
+        kind = fmt if info.type == pafs.FileType.File else f"{fmt}-folder"
+        return open_arrow_dataset(uri, fmt, path, kind, fs, batch_rows, options)
+
+    return _bounded(uri, opened)
+
+
+def _bounded(where: str, fn: Callable[[], T]) -> T:
+    """``fn()``, or a SourceError if ``where`` is an object store that does not answer."""
+    url = urlparse(where)
+    if len(url.scheme) <= 1 or url.scheme == "file":
+        return fn()
+    # A daemon thread: one stuck in a network call must not keep the process alive.
+    result: list[T | BaseException] = []
+    thread = threading.Thread(
+        target=lambda: result.append(_call(fn)), name="ingest-open", daemon=True
+    )
+    thread.start()
+    thread.join(URI_OPEN_TIMEOUT_S)
+    if not result:
+        raise SourceError(
+            f"{where}: the file system did not answer within {URI_OPEN_TIMEOUT_S:.0f} s "
+            "(unreachable endpoint, or missing credentials / network access?)"
+        )
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _call(fn: Callable[[], T]) -> T | BaseException:
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-        info = fs.get_file_info(path)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise SourceError(f"{uri}: cannot open ({one_line(e)})") from e
-    if info.type == pafs.FileType.NotFound:
-        raise SourceError(f"{uri}: no such file or directory")
-    kind = fmt if info.type == pafs.FileType.File else f"{fmt}-folder"
-    return open_arrow_dataset(uri, fmt, path, kind, fs, batch_rows)
+        return fn()
+    except BaseException as e:  # handed to the waiting thread, which raises it
+        return e
 
 
 def _describe(schema: Schema) -> str:
-    return ", ".join(f"{f.name}:{f.dtype}{list(f.shape) if f.shape else ''}" for f in schema.fields)
+    return ", ".join(
+        f"{f.name}:{f.kind + '<' if f.kind else ''}{f.dtype}{list(f.shape) if f.shape else ''}"
+        f"{'>' if f.kind else ''}"
+        for f in schema.fields
+    )
+
+
+class SelectedSource(Source):
+    """Another source with only the fields ``--columns`` / ``--exclude`` keep."""
+
+    def __init__(self, inner: Source, options: ColumnOptions) -> None:
+        self.inner = inner
+        self.kind, self.where, self.total = inner.kind, inner.where, inner.total
+        self.extra_info = inner.extra_info
+        names = [f.name for f in inner.schema.fields]
+        options.check(inner.where, names)
+        self.schema = Schema(tuple(f for f in inner.schema.fields if options.selects(f.name)))
+
+    def batches(self) -> Iterator[ColumnBatch]:
+        """See ``Source.batches``."""
+        return self.batches_from(0)
+
+    def batches_from(self, start: int) -> Iterator[ColumnBatch]:
+        """See ``Source.batches_from``."""
+        keep = {f.name for f in self.schema.fields}
+        for b in self.inner.batches_from(start):
+            yield ColumnBatch(
+                b.rows,
+                {k: v for k, v in b.fixed.items() if k in keep},
+                {k: v for k, v in b.variable.items() if k in keep},
+            )
+
+    def close(self) -> None:
+        """See ``Source.close``."""
+        self.inner.close()
 
 
 class BatchEncoder:

@@ -15,21 +15,26 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.feather as feather
 import pyarrow.fs as pafs
 
+from loaderd.storage.arrow_columns import (
+    ColumnOptions,
+    DictionaryColumn,
+    build_column,
+    flatten,
+    with_dictionaries,
+)
 from loaderd.storage.errors import SourceError
 from loaderd.storage.records import Field, Schema
 
@@ -57,6 +62,14 @@ class ColumnBatch:
     fixed: dict[str, Array] = field(default_factory=dict)
     variable: dict[str, Sequence[Bytes]] = field(default_factory=dict)
 
+    def tail(self, start: int) -> ColumnBatch:
+        """The samples from ``start`` on."""
+        return ColumnBatch(
+            self.rows - start,
+            {k: v[start:] for k, v in self.fixed.items()},
+            {k: v[start:] for k, v in self.variable.items()},
+        )
+
 
 class Source(ABC):
     """An opened ingest source. Use as a context manager; ``batches()`` may be called once.
@@ -82,6 +95,21 @@ class Source(ABC):
         Raises:
             SourceError: the source turns out unreadable or inconsistent part way through.
         """
+
+    def batches_from(self, start: int) -> Iterator[ColumnBatch]:
+        """``batches()`` from sample ``start`` on: where an interrupted ingest resumes.
+
+        This default reads and drops what comes before; sources that can seek override it.
+        """
+        seen = 0
+        for batch in self.batches():
+            if seen + batch.rows > start:
+                yield batch.tail(start - seen) if seen < start else batch
+            seen += batch.rows
+
+    def final_schema(self) -> Schema:
+        """The schema to store once every batch was read (dictionaries complete)."""
+        return self.schema
 
     def close(self) -> None:  # noqa: B027  (most sources hold nothing to release)
         """Release open files (safe to call twice)."""
@@ -109,6 +137,7 @@ def open_arrow_dataset(
     kind: str,
     fs: pafs.FileSystem | None,
     batch_rows: int,
+    options: ColumnOptions | None = None,
 ) -> Source:
     """Parquet or Arrow IPC files (one, a list, or a directory / URI) as one source.
 
@@ -120,6 +149,7 @@ def open_arrow_dataset(
         kind: the name the summary and the store's info give this source.
         fs: the filesystem of an object-store URI, None for local paths.
         batch_rows: the most samples per batch.
+        options: which columns, and how (``arrow_columns.ColumnOptions``).
     """
     try:
         dataset = pads.dataset(paths, format=fmt, filesystem=fs)
@@ -134,33 +164,128 @@ def open_arrow_dataset(
         logger.debug("%s: no row count (%s)", where, e)
         total = None
     batches = dataset.to_batches(batch_size=batch_rows)
-    return ArrowSource(where, kind, dataset.schema, batches, total)
+    source = ArrowSource(where, kind, dataset.schema, batches, total, options)
+    source.reopen = partial(_dataset_from, dataset, batch_rows)
+    return source
 
 
-def open_arrow_stream(path: Path, batch_rows: int) -> Source:
-    """An Arrow IPC file in the stream format (no footer, so no row count)."""
+def _dataset_from(dataset: pads.Dataset, batch_rows: int, start: int) -> Iterator[pa.RecordBatch]:
+    """The dataset's record batches from row ``start`` on, reading little of what precedes.
+
+    Whole files, then whole Parquet row groups, before ``start`` are skipped on their
+    footers' row counts; the rest is scanned as a full scan would (batches never span a
+    row group or a file), so the batches from ``start`` on are the same ones.
+    """
+    pieces: list[pads.Fragment] = []
+    skip = start
+    for fragment in dataset.get_fragments():
+        if skip:
+            rows = fragment.count_rows()
+            if rows <= skip:
+                skip -= rows
+                continue
+            if isinstance(fragment, pads.ParquetFileFragment):
+                for group in fragment.split_by_row_group():
+                    # count_rows() of a row-group piece counts its whole file: ask its metadata.
+                    rows = sum(rg.num_rows for rg in group.row_groups)
+                    if pieces or rows > skip:
+                        pieces.append(group)
+                    else:
+                        skip -= rows
+                continue
+        pieces.append(fragment)
+    scan = pads.FileSystemDataset(pieces, dataset.schema, dataset.format, dataset.filesystem)
+    yield from _skip_rows(scan.to_batches(batch_size=batch_rows), skip)
+
+
+def _skip_rows(batches: Iterable[pa.RecordBatch], skip: int) -> Iterator[pa.RecordBatch]:
+    for rb in batches:
+        if skip >= rb.num_rows:
+            skip -= rb.num_rows
+            continue
+        yield rb.slice(skip) if skip else rb
+        skip = 0
+
+
+def open_arrow_streams(
+    where: str,
+    paths: Sequence[Path],
+    kind: str,
+    batch_rows: int,
+    options: ColumnOptions | None = None,
+) -> ArrowSource:
+    """Arrow IPC files in the stream format (no footer, so no row count), one after another."""
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for path in paths:
+            try:
+                reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+            except (pa.ArrowException, OSError) as e:
+                raise SourceError(f"{path}: cannot read as an Arrow stream ({one_line(e)})") from e
+            for big in reader:
+                for i in range(0, big.num_rows, batch_rows):
+                    yield big.slice(i, batch_rows)
+
+    it = batches()
+    first = next(it, None)  # the schema comes with the first file's first batch
+    schema = first.schema if first is not None else pa.schema([])
+    chained = itertools.chain([first] if first is not None else [], it)
+    return ArrowSource(where, kind, schema, chained, None, options)
+
+
+def open_huggingface(root: Path, batch_rows: int, options: ColumnOptions | None = None) -> Source:
+    """A Hugging Face ``Dataset.save_to_disk`` folder: its Arrow stream files, in order.
+
+    ``ClassLabel`` names go into their field's info (``{"names": [...]}``) and the store's
+    info (``classes``), as ImageFolder's do; the features go into the store's info as they are.
+    """
     try:
-        reader = pa.ipc.open_stream(pa.memory_map(str(path)))
-    except (pa.ArrowException, OSError) as e:
-        raise SourceError(f"{path}: cannot read as an Arrow stream ({one_line(e)})") from e
-    batches = (
-        big.slice(i, batch_rows) for big in reader for i in range(0, big.num_rows, batch_rows)
-    )
-    return ArrowSource(str(path), "arrow-stream", reader.schema, batches, None)
+        state = json.loads((root / "state.json").read_text())
+        files = [root / f["filename"] for f in state["_data_files"]]
+        info_path = root / "dataset_info.json"
+        features = (
+            json.loads(info_path.read_text()).get("features", {}) if info_path.exists() else {}
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SourceError(f"{root}: not a readable save_to_disk folder ({one_line(e)})") from e
+    if not files:
+        raise SourceError(f"{root}: the dataset is empty (no data files)")
+    src = open_arrow_streams(str(root), files, "huggingface", batch_rows, options)
+    names = {
+        k: v["names"]
+        for k, v in features.items()
+        if isinstance(v, dict) and v.get("_type") == "ClassLabel" and "names" in v
+    }
+    if names:
+        src.schema = Schema(
+            tuple(
+                replace(f, info=json.dumps({"names": names[f.name]})) if f.name in names else f
+                for f in src.schema.fields
+            )
+        )
+        src.extra_info["classes"] = names
+    src.extra_info["features"] = features
+    return src
 
 
-def open_feather_v1(path: Path, batch_rows: int) -> Source:
+def open_feather_v1(path: Path, batch_rows: int, options: ColumnOptions | None = None) -> Source:
     """A legacy Feather V1 file."""
     try:  # the legacy format has no batches; memory-mapping keeps it from loading up front
         table = feather.read_table(str(path), memory_map=True)
     except (pa.ArrowException, OSError) as e:
         raise SourceError(f"{path}: cannot read as Feather ({one_line(e)})") from e
     batches = table.to_batches(max_chunksize=batch_rows)
-    return ArrowSource(str(path), "feather-v1", table.schema, iter(batches), table.num_rows)
+    return ArrowSource(
+        str(path), "feather-v1", table.schema, iter(batches), table.num_rows, options
+    )
 
 
 class ArrowSource(Source):
-    """Record batches with an Arrow schema, mapped onto loaderd fields column by column."""
+    """Record batches with an Arrow schema, mapped onto loaderd fields column by column.
+
+    Struct columns are flattened first (``parent.child``); ``options`` selects columns and
+    forces list columns ragged or columns nullable (``arrow_columns``).
+    """
 
     def __init__(
         self,
@@ -169,30 +294,78 @@ class ArrowSource(Source):
         schema: pa.Schema,
         batches: Iterable[pa.RecordBatch],
         total: int | None,
+        options: ColumnOptions | None = None,
     ) -> None:
         self.where, self.kind, self.total, self.extra_info = where, kind, total, {}
-        _check_names(where, schema.names)
+        self.options = options or ColumnOptions()
         self._it = (b for b in _guard(where, batches) if b.num_rows)
         first = next(self._it, None)
         if first is None:
             raise SourceError(f"{where}: the dataset is empty (0 samples)")
         self._first: pa.RecordBatch | None = first
-        # Plain list columns learn their shape from the first row here.
-        self._columns = [_column(where, af, first.column(i)) for i, af in enumerate(schema)]
-        self.schema = checked_schema(where, [c.field for c in self._columns])
+        flat = flatten(first.schema.names, first.columns)
+        self.options.check(where, [name for name, _ in flat])
+        self._keep = [self.options.selects(name) for name, _ in flat]
+        _check_names(
+            where, [name for (name, _), keep in zip(flat, self._keep, strict=True) if keep]
+        )
+        # A store exported by loaderd keeps the real shape of a flat fixed-size list here.
+        shapes = {af.name: (af.metadata or {}).get(b"shape") for af in schema}
+        # Plain list columns learn their shape from the first batch here.
+        self._columns = [
+            build_column(where, name, arr, self.options, shapes.get(name))
+            for (name, arr), keep in zip(flat, self._keep, strict=True)
+            if keep
+        ]
+        self.schema = checked_schema(where, [f for c in self._columns for f in c.fields])
+        # Record batches from a row on, for a resumed ingest (None: read through the rest).
+        self.reopen: Callable[[int], Iterator[pa.RecordBatch]] | None = None
 
     def batches(self) -> Iterator[ColumnBatch]:
         """See ``Source.batches``."""
+        return self.batches_from(0)
+
+    def batches_from(self, start: int) -> Iterator[ColumnBatch]:
+        """See ``Source.batches_from``; what precedes ``start`` is never converted.
+
+        So a dictionary column's values seen there must be given back first
+        (``restore_dictionaries``).
+        """
         if self._first is None:
             raise RuntimeError("batches() may be called once")
         first, self._first = self._first, None
-        row0 = 0
-        for rb in itertools.chain([first], self._it):
+        if start == 0:
+            raw: Iterable[pa.RecordBatch] = itertools.chain([first], self._it)
+        elif self.reopen is not None:
+            raw = (b for b in _guard(self.where, self.reopen(start)) if b.num_rows)
+        else:
+            raw = _skip_rows(itertools.chain([first], self._it), start)
+        row0 = start
+        for rb in raw:
             out = ColumnBatch(rb.num_rows)
-            for i, col in enumerate(self._columns):
-                col.convert(rb.column(i), row0, out)
+            flat = flatten(rb.schema.names, rb.columns)
+            if len(flat) != len(self._keep):
+                raise SourceError(f"{self.where}: the columns change at row {row0}")
+            arrays = (arr for (_, arr), keep in zip(flat, self._keep, strict=True) if keep)
+            for col, arr in zip(self._columns, arrays, strict=True):
+                col.convert(arr, row0, out)
             yield out
             row0 += rb.num_rows
+
+    def final_schema(self) -> Schema:
+        """See ``Source.final_schema``: dictionaries hold every value seen."""
+        return Schema(tuple(with_dictionaries(self.schema.fields, self._columns)))
+
+    @property
+    def dictionaries(self) -> dict[str, list[Any]]:
+        """Each dictionary column's values, in code order."""
+        return {c.name: c.values for c in self._columns if isinstance(c, DictionaryColumn)}
+
+    def restore_dictionaries(self, values: dict[str, list[Any]]) -> None:
+        """Give dictionary columns back the values an interrupted ingest had numbered."""
+        for c in self._columns:
+            if isinstance(c, DictionaryColumn):
+                c.restore(values.get(c.name, []))
 
 
 def _guard(where: str, it: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -221,212 +394,3 @@ def checked_schema(where: str, fields: list[Field]) -> Schema:
         return Schema(tuple(fields))
     except ValueError as e:
         raise SourceError(f"{where}: {e}") from e
-
-
-def make_field(where: str, name: str, dtype: str, shape: tuple[int, ...] = ()) -> Field:
-    """A Field, or a SourceError naming the source and the column."""
-    try:
-        return Field(name, dtype, shape)
-    except ValueError as e:
-        raise SourceError(f"{where}: {e}") from e
-
-
-def _first_null(arr: pa.Array) -> int:
-    return int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
-
-
-def _numeric(t: pa.DataType) -> np.dtype[Any] | None:
-    """The numpy dtype a scalar Arrow type is stored as; bool becomes uint8."""
-    if pa.types.is_boolean(t):
-        return np.dtype(np.uint8)
-    if pa.types.is_integer(t) or pa.types.is_floating(t):
-        dtype: np.dtype[Any] = np.dtype(t.to_pandas_dtype())
-        return dtype
-    return None
-
-
-def _is_var(t: pa.DataType) -> bool:
-    return bool(
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_binary_view(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_string_view(t)
-    )
-
-
-class _Column(ABC):
-    field: Field
-
-    def __init__(self, where: str, name: str) -> None:
-        self.where, self.name = where, name
-
-    @abstractmethod
-    def convert(self, arr: pa.Array, row0: int, out: ColumnBatch) -> None:
-        """Add this column of a record batch (whose first row is ``row0``) to ``out``."""
-
-    def check_nulls(self, arr: pa.Array, row0: int, per_row: int = 1) -> None:
-        if arr.null_count:
-            row = row0 + _first_null(arr) // per_row
-            raise SourceError(f"{self.where}: column {self.name!r} has a null at row {row}")
-
-
-def _unsupported(where: str, af: pa.Field) -> SourceError:
-    return SourceError(
-        f"{where}: column {af.name!r} has type {af.type}, which loaderd cannot store (it takes "
-        "integers, floats, bool, fixed-size lists / tensors / equal-length lists of those, "
-        "binary and string)"
-    )
-
-
-def _column(where: str, af: pa.Field, sample: pa.Array) -> _Column:
-    t = af.type
-    decode = pa.types.is_dictionary(t)
-    if decode:
-        t = t.value_type
-    dtype = _numeric(t)
-    if dtype is not None:
-        return _ScalarColumn(where, af.name, dtype, decode)
-    if _is_var(t):
-        is_str = pa.types.is_string(t) or pa.types.is_large_string(t) or t == pa.string_view()
-        return _VarColumn(where, af.name, is_str, decode)
-    if decode:
-        raise _unsupported(where, af)
-    col = _FixedColumn.build(where, af)
-    if col is None:
-        raise _unsupported(where, af)
-    col.learn_shape(sample)
-    return col
-
-
-class _ScalarColumn(_Column):
-    def __init__(self, where: str, name: str, dtype: np.dtype[Any], decode: bool) -> None:
-        super().__init__(where, name)
-        self.field = make_field(where, name, dtype.name)
-        self.dtype, self.decode = dtype, decode
-
-    def convert(self, arr: pa.Array, row0: int, out: ColumnBatch) -> None:
-        self.check_nulls(arr, row0)
-        if self.decode:
-            arr = arr.dictionary_decode()
-        out.fixed[self.name] = arr.to_numpy(zero_copy_only=False).astype(self.dtype, copy=False)
-
-
-class _VarColumn(_Column):
-    def __init__(self, where: str, name: str, is_str: bool, decode: bool) -> None:
-        super().__init__(where, name)
-        self.field = make_field(where, name, "string" if is_str else "binary")
-        self.target = pa.large_string() if is_str else pa.large_binary()
-        self.decode = decode
-
-    def convert(self, arr: pa.Array, row0: int, out: ColumnBatch) -> None:
-        self.check_nulls(arr, row0)
-        if self.decode:
-            arr = arr.dictionary_decode()
-        if arr.type != self.target:
-            arr = arr.cast(self.target)  # one offsets layout to slice, whatever came in
-        _, offsets_buf, data_buf = arr.buffers()
-        offsets = np.frombuffer(offsets_buf, np.int64)[arr.offset : arr.offset + len(arr) + 1]
-        data = memoryview(data_buf if data_buf is not None else b"")
-        bounds = offsets.tolist()
-        out.variable[self.name] = [data[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-class _FixedColumn(_Column):
-    """Fixed-size lists (nested), fixed_shape_tensor, and plain lists of one length."""
-
-    def __init__(
-        self,
-        where: str,
-        name: str,
-        levels: list[str],
-        dims: list[int | None],
-        dtype: np.dtype[Any],
-        tensor: pa.FixedShapeTensorType | None,
-    ) -> None:
-        super().__init__(where, name)
-        self.levels, self.dims, self.dtype, self.tensor = levels, dims, dtype, tensor
-
-    @classmethod
-    def build(cls, where: str, af: pa.Field) -> _FixedColumn | None:
-        t = af.type
-        if isinstance(t, pa.FixedShapeTensorType):
-            dtype = _numeric(t.value_type)
-            if dtype is None:
-                return None
-            # The storage is one flat fixed-size list per row; the type carries the shape,
-            # which a permutation reorders into the logical shape.
-            perm = t.permutation or range(len(t.shape))
-            dims: list[int | None] = [int(t.shape[p]) for p in perm]
-            return cls(where, af.name, ["tensor"], dims, dtype, t)
-        levels: list[str] = []
-        dims = []
-        while True:
-            if pa.types.is_fixed_size_list(t):
-                levels.append("fixed")
-                dims.append(t.list_size)
-            elif pa.types.is_list(t) or pa.types.is_large_list(t):
-                levels.append("list")
-                dims.append(None)
-            else:
-                break
-            t = t.value_type
-        dtype = _numeric(t)
-        if not levels or dtype is None:
-            return None
-        # A store exported by loaderd keeps the real shape of a flat fixed-size list here.
-        meta = (af.metadata or {}).get(b"shape")
-        if meta and levels == ["fixed"]:
-            shape: list[int | None] = [int(d) for d in json.loads(meta)]
-            if shape and math.prod(d or 0 for d in shape) == dims[0]:
-                dims, levels = shape, ["tensor"]
-        return cls(where, af.name, levels, dims, dtype, None)
-
-    def learn_shape(self, sample: pa.Array) -> None:
-        self.to_numpy(sample[:1], 0)  # fills the plain-list dimensions from row 0
-        self.field = make_field(self.where, self.name, self.dtype.name, self.shape)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        assert all(d is not None for d in self.dims)
-        return tuple(int(d) for d in self.dims if d is not None)
-
-    def to_numpy(self, arr: pa.Array, row0: int) -> Array:
-        n = len(arr)
-        perm = None if self.tensor is None else self.tensor.permutation
-        if perm is not None and list(perm) != list(range(len(perm))):
-            # A permuted tensor's storage is not in logical row-major order; Arrow reorders.
-            self.check_nulls(arr, row0)
-            return np.ascontiguousarray(arr.to_numpy_ndarray(), self.dtype)
-        if self.tensor is not None:
-            arr = arr.storage
-        values, per_row = arr, 1
-        for level, kind in enumerate(self.levels):
-            self.check_nulls(values, row0, per_row)
-            if kind == "list":
-                self._check_lengths(values, level, row0, per_row)
-            values = values.flatten()
-            if kind == "tensor":
-                break
-            per_row *= int(self.dims[level] or 0)
-        self.check_nulls(values, row0, len(values) // max(n, 1))
-        flat: Array = values.to_numpy(zero_copy_only=False).astype(self.dtype, copy=False)
-        return flat.reshape((n, *self.shape))
-
-    def _check_lengths(self, values: pa.Array, level: int, row0: int, per_row: int) -> None:
-        lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
-        want = self.dims[level]
-        if want is None:
-            want = self.dims[level] = int(lengths[0])
-        bad = np.flatnonzero(lengths != want)
-        if bad.size:
-            row, got = row0 + int(bad[0]) // per_row, int(lengths[bad[0]])
-            raise SourceError(
-                f"{self.where}: column {self.name!r}: row {row} holds a list of {got} values "
-                f"where row 0 held {want}; list columns need one length in every row"
-            )
-
-    def convert(self, arr: pa.Array, row0: int, out: ColumnBatch) -> None:
-        out.fixed[self.name] = self.to_numpy(arr, row0)

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -33,20 +33,59 @@ _VARLEN = struct.Struct("<I")
 VARIABLE_DTYPES = ("binary", "string")
 
 
+class Kind:
+    """What a field means beyond its bytes (``Field.kind``).
+
+    The record layout knows only two shapes of field, fixed and variable; every kind is
+    stored as one of them.
+
+    * ``PLAIN``: a fixed-shape numeric array, or ``binary`` / ``string`` bytes.
+    * ``LIST``: a variable-length list of ``dtype`` elements of ``shape`` each, stored as the
+      elements' raw bytes (a variable field); the client turns a batch of them into values +
+      offsets, or a padded tensor + lengths.
+    * ``VALID``: the bool validity mask of the nullable field ``info["of"]`` (named
+      ``<field>.valid``); a null's value is zero, empty or an empty list.
+    * ``TIME``: a timestamp, date, time or duration as its integer count of units
+      (``info["arrow_type"]``, e.g. ``timestamp[ms, tz=UTC]``).
+    * ``DICTIONARY``: integer codes into ``info["dictionary"]`` (the values, in code order).
+    """
+
+    PLAIN = ""
+    LIST = "list"
+    VALID = "valid"
+    TIME = "time"
+    DICTIONARY = "dictionary"
+    ALL = (PLAIN, LIST, VALID, TIME, DICTIONARY)
+
+
 @dataclass(frozen=True, slots=True)
 class Field:
-    """One named field: a numpy dtype and shape, or variable-length ``binary`` / ``string``."""
+    """One named field: a numpy dtype and shape, or variable-length ``binary`` / ``string``.
+
+    Attributes:
+        name: the field's name (a struct's children are ``parent.child``).
+        dtype: a numpy dtype name, or ``binary`` / ``string``; for a ``LIST`` the element's.
+        shape: the fixed shape of a value; for a ``LIST`` the shape of one element.
+        kind: what the bytes mean (``Kind``).
+        info: JSON text of what the trainer may need to read the field (the dictionary of a
+            ``DICTIONARY``, class names, the Arrow type of a ``TIME``); text, so the schema
+            stays hashable.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...] = ()
+    kind: str = Kind.PLAIN
+    info: str = ""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a field needs a name")
+        if self.kind not in Kind.ALL:
+            raise ValueError(f"field {self.name!r}: unknown kind {self.kind!r}")
         if self.dtype in VARIABLE_DTYPES:
-            if self.shape:
-                raise ValueError(f"field {self.name!r}: {self.dtype} fields have no shape")
+            if self.shape or self.kind != Kind.PLAIN:
+                raise ValueError(f"field {self.name!r}: {self.dtype} fields have no shape or kind")
             return
         dt = np.dtype(self.dtype)
         if dt.kind not in "biuf" or dt.byteorder == ">":
@@ -57,7 +96,33 @@ class Field:
     @property
     def variable(self) -> bool:
         """Whether each sample has its own length for this field."""
-        return self.dtype in VARIABLE_DTYPES
+        return self.dtype in VARIABLE_DTYPES or self.kind == Kind.LIST
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """``info`` parsed."""
+        return dict(json.loads(self.info)) if self.info else {}
+
+    def to_json(self) -> dict[str, Any]:
+        """The field as a JSON-ready object (``kind`` and ``info`` only when set)."""
+        out: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.kind:
+            out["kind"] = self.kind
+        if self.info:
+            out["info"] = self.attrs
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Field:
+        """Inverse of ``to_json``."""
+        info = obj.get("info")
+        return cls(
+            obj["name"],
+            obj["dtype"],
+            tuple(obj["shape"]),
+            obj.get("kind", Kind.PLAIN),
+            json.dumps(info, sort_keys=True) if info else "",
+        )
 
     @property
     def nbytes(self) -> int:
@@ -88,24 +153,33 @@ class Schema:
 
     def to_json(self) -> list[dict[str, Any]]:
         """The schema as JSON-ready objects."""
-        return [{"name": f.name, "dtype": f.dtype, "shape": list(f.shape)} for f in self.fields]
+        return [f.to_json() for f in self.fields]
 
     @classmethod
     def from_json(cls, obj: Sequence[Mapping[str, Any]]) -> Schema:
         """Inverse of ``to_json``."""
-        return cls(tuple(Field(o["name"], o["dtype"], tuple(o["shape"])) for o in obj))
+        return cls(tuple(Field.from_json(o) for o in obj))
 
     def to_arrow(self) -> pa.Schema:
-        """The schema as Arrow: fixed fields are fixed-size lists with their shape in metadata."""
+        """The schema as Arrow: fixed fields are fixed-size lists with their shape in metadata.
+
+        A field's kind and info ride in its metadata (``loaderd``), so a store written before
+        kinds existed reads back as plain fields.
+        """
         out = []
         for f in self.fields:
-            if f.variable:
+            meta = {"shape": json.dumps(list(f.shape))}
+            if f.kind or f.info:
+                meta["loaderd"] = json.dumps({"kind": f.kind, "info": f.info})
+            if f.dtype in VARIABLE_DTYPES:
                 t = pa.binary() if f.dtype == "binary" else pa.string()
             else:
                 prim = pa.from_numpy_dtype(np.dtype(f.dtype))
                 size = int(np.prod(f.shape, dtype=np.int64))
                 t = pa.list_(prim, size) if f.shape else prim
-            out.append(pa.field(f.name, t, metadata={"shape": json.dumps(list(f.shape))}))
+                if f.kind == Kind.LIST:
+                    t = pa.large_list(t)
+            out.append(pa.field(f.name, t, metadata=meta))
         return pa.schema(out)
 
     @classmethod
@@ -113,25 +187,52 @@ class Schema:
         """Inverse of ``to_arrow``."""
         fields = []
         for af in schema:
-            shape = tuple(json.loads((af.metadata or {}).get(b"shape", b"[]")))
-            t = af.type
+            meta = af.metadata or {}
+            shape = tuple(json.loads(meta.get(b"shape", b"[]")))
+            extra = json.loads(meta[b"loaderd"]) if b"loaderd" in meta else {}
+            kind, info = extra.get("kind", Kind.PLAIN), extra.get("info", "")
+            t = af.type.value_type if kind == Kind.LIST else af.type
             if pa.types.is_binary(t) or pa.types.is_large_binary(t):
-                fields.append(Field(af.name, "binary"))
+                dtype = "binary"
             elif pa.types.is_string(t) or pa.types.is_large_string(t):
-                fields.append(Field(af.name, "string"))
+                dtype = "string"
             else:
                 prim = t.value_type if pa.types.is_fixed_size_list(t) else t
-                fields.append(Field(af.name, np.dtype(prim.to_pandas_dtype()).name, shape))
+                dtype = np.dtype(prim.to_pandas_dtype()).name
+            fields.append(Field(af.name, dtype, shape, kind, info))
         return cls(tuple(fields))
+
+
+class FixedSlice(NamedTuple):
+    """Where one fixed-shape field lies in a whole record (header included)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # from the start of the record, header included
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Where each fixed field lives in a record's body."""
+    """Where each field lives in a record: what batch assembly needs to know, and no more.
 
-    offsets: Mapping[str, int]
+    Fixed fields are byte ranges at the same place in every record (``fixed``, offsets counted
+    from the start of the record, header included), so a batch gathers them with one slice
+    per record, or one strided copy per field when records are equally long. Variable-length
+    fields (``variable``) are found per record by ``RecordCodec.variable_parts``: for each
+    record, one view per variable field, whatever its kind.
+    """
+
+    offsets: Mapping[str, int]  # fixed field -> offset in the body (after the header)
     fixed_bytes: int  # size of the fixed part, aligned
     variable: tuple[str, ...]  # names of the variable-length fields, in order
+    fixed: tuple[FixedSlice, ...] = ()
+
+    @property
+    def record_bytes(self) -> int | None:
+        """Size of every record when the schema has no variable field, else None."""
+        return None if self.variable else RECORD_HEADER.size + self.fixed_bytes
 
 
 _LAYOUTS: dict[Schema, Layout] = {}
@@ -142,12 +243,15 @@ def _layout(schema: Schema) -> Layout:
     if cached is not None:
         return cached
     offsets: dict[str, int] = {}
+    fixed: list[FixedSlice] = []
     pos = 0
     for f in schema.fields:
         if not f.variable:
             offsets[f.name] = pos
+            fixed.append(FixedSlice(f.name, f.dtype, f.shape, RECORD_HEADER.size + pos, f.nbytes))
             pos += -(-f.nbytes // _ALIGN) * _ALIGN
-    layout = Layout(offsets, pos, tuple(f.name for f in schema.fields if f.variable))
+    variable = tuple(f.name for f in schema.fields if f.variable)
+    layout = Layout(offsets, pos, variable, tuple(fixed))
     _LAYOUTS[schema] = layout
     return layout
 
@@ -183,6 +287,12 @@ class RecordCodec:
         tail = []
         for name in self.layout.variable:
             v = values.get(name)
+            f = self._by_name[name]
+            if f.kind == Kind.LIST and not isinstance(v, (bytes, bytearray, memoryview)):
+                elements = np.ascontiguousarray(v, dtype=f.dtype)
+                if elements.shape[1:] != f.shape:
+                    raise ValueError(f"field {name!r}: elements of shape {f.shape} expected")
+                v = elements.tobytes()
             if isinstance(v, str):
                 v = v.encode()
             if not isinstance(v, (bytes, bytearray, memoryview)):
@@ -209,13 +319,16 @@ class RecordCodec:
         except ValueError as e:
             raise CorruptRecordError(sample_id, where, str(e)) from None
         for name, value in zip(self.layout.variable, parts, strict=True):
-            is_str = self.schema.fields[self._index[name]].dtype == "string"
-            out[name] = bytes(value).decode() if is_str else bytes(value)
+            f = self._by_name[name]
+            if f.kind == Kind.LIST:
+                out[name] = np.frombuffer(value, f.dtype).reshape(-1, *f.shape)
+            else:
+                out[name] = bytes(value).decode() if f.dtype == "string" else bytes(value)
         return out
 
     @cached_property
-    def _index(self) -> dict[str, int]:
-        return {f.name: i for i, f in enumerate(self.schema.fields)}
+    def _by_name(self) -> dict[str, Field]:
+        return {f.name: f for f in self.schema.fields}
 
     def variable_parts(self, body: memoryview) -> list[memoryview]:
         """The variable-length fields of a verified body, as views.

@@ -18,15 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Final
 
 import numpy as np
 
 from loaderd.storage.arena import Arena, record_extent
-from loaderd.storage.dram import DramCache
-from loaderd.storage.errors import StorageError
+from loaderd.storage.dram import DramCache, Held
+from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.policies import ARENA, DRAM, Move, Policy, make_policy
+from loaderd.storage.records import verify
 from loaderd.storage.store import SampleStore
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ _WRITE_QUEUE_BYTES: Final = 64 << 20  # arena admissions beyond this are skipped
 _WRITE_BATCH_BYTES: Final = 8 << 20
 
 Ranking = Callable[[], "np.ndarray | None"]
+Record = bytes | memoryview  # a record's bytes, or a view of them (valid during a read)
 
 
 class TierStack:
@@ -62,7 +65,7 @@ class TierStack:
         policy: str = "importance",
     ) -> None:
         self.store = store
-        self.dram = dram if isinstance(dram, DramCache) else DramCache(dram)
+        self.dram = dram if isinstance(dram, DramCache) else DramCache(dram, pin=store.pin)
         self.arena = arena
         self.record_bytes = max(1, store.total_bytes // max(store.num_samples, 1))
         caps = [self.dram.capacity_bytes]
@@ -98,21 +101,35 @@ class TierStack:
     # ---- reads -----------------------------------------------------------------------------
 
     def get_many(self, ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Verified records for ids, in order, as bytes (copies; see ``read`` for none)."""
+        with self.read(ids) as records:
+            return [bytes(r) for r in records]
+
+    @contextmanager
+    def read(self, ids: Sequence[int] | np.ndarray) -> Iterator[list[Record]]:
         """Verified records for ids, in order, from the fastest tier that holds each.
+
+        Records read from the store are views into LMDB's map, valid inside the ``with``
+        block only: the caller copies them once, into its batch. Each record's checksum is
+        verified once, where it crosses from a tier that can be corrupted (the store, the
+        arena); DRAM hits are served as they are. A record the policy admits into DRAM is
+        copied there (the one copy that must outlive the read).
 
         Raises:
             KeyError: an id is not in the store.
             CorruptRecordError: the store's own copy is bad (a tier's bad copy is skipped).
         """
-        keys = [int(i) for i in ids]
-        got: dict[int, bytes] = {}
+        keys = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
+        got: dict[int, Record] = {}
         found: dict[int, int | None] = {}
         in_arena: list[int] = []
+        unique = list(dict.fromkeys(keys))
         with self._lock:
-            for sid in dict.fromkeys(keys):
-                tier = self.policy.lookup(sid)
+            lookup, dram = self.policy.lookup, self.dram.get
+            for sid in unique:
+                tier = lookup(sid)
                 if tier == DRAM:
-                    rec = self.dram.get(sid)
+                    rec = dram(sid)
                 elif tier == ARENA:
                     rec = self._pending.get(sid)
                     if rec is None:
@@ -125,22 +142,53 @@ class TierStack:
         if in_arena:
             assert self.arena is not None
             for sid in in_arena:
-                rec = self.arena.get(sid)  # verified; a bad record is dropped and counted
-                if rec is not None:
-                    got[sid], found[sid] = rec, ARENA
-        missing = [sid for sid in dict.fromkeys(keys) if sid not in got]
-        if missing:
-            got.update(zip(missing, self.store.get_many(missing), strict=True))
+                arec = self.arena.get(sid)  # verified; a bad record is dropped and counted
+                if arec is not None:
+                    got[sid], found[sid] = arec, ARENA
+        missing = [sid for sid in unique if sid not in got]
+        self.store.advise_known(missing)  # cold pages are read together, not one by one
+        with self.store.views(missing, verified=False) as views:
+            got.update(zip(missing, views, strict=True))
+            with self._lock:
+                for sid in missing:
+                    if self.policy.lookup(sid) == ARENA and not self._in_arena(sid):
+                        self.policy.forget(sid)  # the arena lost it (bad checksum, ring)
+                moves: list[Move] = []
+                access = self.policy.access
+                for sid in keys:
+                    moves += access(sid, len(got[sid]), found.get(sid))
+                    found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
+            self._verify(missing, got)
+            if moves:
+                # Locking pages (or copying) for DRAM is the slow part of an admission: done
+                # before taking the lock, so that assembly threads overlap it.
+                admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
+                held = {s: self.dram.hold(got[s]) for s in admits}
+                try:
+                    with self._lock:
+                        self._apply(moves, got, held)
+                finally:
+                    for _, unpin in held.values():  # not taken by the tier
+                        if unpin is not None:
+                            unpin()
+            yield [got[sid] for sid in keys]
+
+    def _verify(self, missing: list[int], got: dict[int, Record]) -> None:
+        """Check the checksums of records read from the store (once per tier crossing)."""
+        where = f"store {self.store.path}"
+        for sid in missing:
+            try:
+                verify(got[sid], sid, where)
+            except CorruptRecordError:
+                with self._lock:  # it was admitted in the bookkeeping: take that back
+                    self.policy.forget(sid)
+                raise
+
+    def cached(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` a tier holds now (a read-ahead skips them): bool per id."""
         with self._lock:
-            for sid in missing:
-                if self.policy.lookup(sid) == ARENA and not self._in_arena(sid):
-                    self.policy.forget(sid)  # the arena lost it (bad checksum, ring)
-            moves: list[Move] = []
-            for sid in keys:
-                moves += self.policy.access(sid, len(got[sid]), found.get(sid))
-                found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
-            self._apply(moves, got)
-        return [got[sid] for sid in keys]
+            lookup = self.policy.lookup
+            return np.fromiter((lookup(s) is not None for s in ids.tolist()), bool, len(ids))
 
     def _in_arena(self, sid: int) -> bool:
         return sid in self._pending or (self.arena is not None and sid in self.arena)
@@ -170,7 +218,9 @@ class TierStack:
             self._ops.append(("place", ranking, None))
             self._wake.notify()
 
-    def _apply(self, moves: list[Move], have: dict[int, bytes]) -> None:
+    def _apply(
+        self, moves: list[Move], have: dict[int, Record], held: dict[int, Held] | None = None
+    ) -> None:
         """Carry out a policy's moves (the lock is held).
 
         What leaves DRAM goes first, so that DRAM never holds more than its capacity on the
@@ -181,8 +231,8 @@ class TierStack:
             if kind == "admit":
                 rec = have[sid]
                 if tier == DRAM:
-                    self.dram.put(sid, rec)
-                elif not self._queue_put(sid, rec):
+                    self.dram.put(sid, rec, held.pop(sid, None) if held else None)
+                elif not self._queue_put(sid, bytes(rec)):
                     self.policy.forget(sid)
             elif kind == "drop":
                 if tier == DRAM:
@@ -200,7 +250,7 @@ class TierStack:
                 self._queue_discard(sid)
             else:  # demote
                 demoted = self.dram.discard(sid) or have.get(sid)
-                if demoted is None or not self._queue_put(sid, demoted):
+                if demoted is None or not self._queue_put(sid, bytes(demoted)):
                     self.policy.forget(sid)
 
     # ---- the arena writer ------------------------------------------------------------------
@@ -392,6 +442,7 @@ class TierStack:
                 self.arena.close()
             except StorageError as e:
                 logger.warning("closing the arena: %s", e)
+        self.dram.clear()  # unlock its views of the store before the map goes away
         self.store.close()
 
     def __enter__(self) -> TierStack:

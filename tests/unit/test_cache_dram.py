@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -177,5 +178,36 @@ def test_tier_stack_missing_id_is_a_key_error_and_admits_nothing(store_path: Pat
         with pytest.raises(KeyError):
             stack.get_many([1, 100])
         assert len(stack.dram) == 0
+    finally:
+        stack.close()
+
+
+def test_locked_store_pages_follow_the_tier_under_concurrent_reads(tmp_path: Path) -> None:
+    # Records large enough to be held as locked views of the store's pages (not copies);
+    # admission locks them outside the stack's lock, so two threads race on it here.
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "big"
+    with StoreWriter(path, SCHEMA) as w:
+        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (40 << 10)}) for i in range(40)])
+    with SampleStore(path) as s:
+        truth = s.get_many(range(40))
+    store = SampleStore(path)
+    stack = TierStack(store, len(truth[0]) * 5)  # room for five: evictions unlock pages
+    try:
+        rng = np.random.default_rng(3)
+        batches = [rng.integers(0, 40, 6) for _ in range(60)]
+        with ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(stack.get_many, batches))
+        assert got == [[truth[i] for i in b] for b in batches]
+        dram = stack.dram
+        assert len(dram) <= 5
+        page = mmap.PAGESIZE
+        pages = -(-(len(truth[0]) + 16) // page) * page
+        assert store.locked_bytes == dram.pinned * pages  # nothing locked and forgotten
+        if store.locked_bytes:  # locking allowed here: the records are the store's own pages
+            assert dram.pinned == len(dram)
+        dram.clear()
+        assert store.locked_bytes == 0 and dram.pinned == 0
     finally:
         stack.close()

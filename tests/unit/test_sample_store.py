@@ -242,3 +242,23 @@ def test_flipped_byte_in_data_mdb_is_caught_with_the_id(tmp_path: Path) -> None:
         # neighbours are intact
         assert s.get(victim - 1) == recs[victim - 1]
         assert s.get(victim + 1) == recs[victim + 1]
+
+
+@pytest.mark.parametrize("kind", ["file", "folder", "store-with-extras", "link"])
+def test_overwrite_never_deletes_what_is_not_a_store(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "s"
+    if kind == "file":
+        path.write_text("my notes")
+    elif kind == "folder":
+        path.mkdir()
+        (path / "thesis.tex").write_text("years of work")
+    elif kind == "store-with-extras":
+        write_store(path, 2)
+        (path / "README").write_text("the user's")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        path.symlink_to(tmp_path / "elsewhere")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(FileExistsError, match="is not a loaderd store"):
+        StoreWriter(path, SCHEMA, overwrite=True)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before, "nothing touched"

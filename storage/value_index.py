@@ -1,0 +1,218 @@
+"""Where each sample's record lies in ``data.mdb``, found without reading the records.
+
+Read-ahead needs the byte range of every record of a pass before anyone reads it, so that
+the kernel can be asked to fetch many ranges at once (``posix_fadvise(WILLNEED)``). LMDB
+cannot say where a value lies without touching it: py-lmdb's ``get`` pre-faults the whole
+value (to fault without the GIL held), and positioning a cursor touches the value's first
+page. On a cold store that is one synchronous random read per sample, the very cost
+read-ahead exists to hide. So this module walks the B-tree of the ``samples`` database itself,
+from the meta page through the branch pages to the leaves, reading only those pages (about
+one page per 150 samples), and takes each value's offset from its leaf node.
+
+The format read is LMDB 0.9's (the one py-lmdb bundles), 64-bit, native byte order. The
+index is a hint only: records are still read and verified through LMDB, so a wrong offset
+could cost speed, never bytes. Anything unexpected (another engine version, a page that does
+not parse, ids that are not 0..N-1) gives no index, and the caller reads ahead without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0xBEEFC0DE
+_HDR = 16  # PAGEHDRSZ of LMDB 0.9
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2 = 0x01, 0x02, 0x04, 0x08, 0x20
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
+_MAX_DEPTH = 32
+
+
+class _Unreadable(Exception):
+    """The file does not have the shape this reader understands."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValueIndex:
+    """File offset and length of every sample's record in ``data.mdb``.
+
+    ``offsets[i]``, ``lengths[i]``: the record of sample i occupies bytes
+    ``[offsets[i], offsets[i] + lengths[i])`` of the file (12 bytes of memory per sample).
+    """
+
+    offsets: np.ndarray  # int64 [N]
+    lengths: np.ndarray  # uint32 [N]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def nbytes(self, ids: np.ndarray) -> int:
+        """Record bytes of these samples."""
+        return int(self.lengths[ids].sum(dtype=np.int64))
+
+
+def build_value_index(path: Path, db_name: bytes, num_samples: int) -> ValueIndex | None:
+    """Walk the B-tree of ``db_name`` in ``path`` (a data.mdb) and index its values.
+
+    Args:
+        path: the LMDB data file.
+        db_name: the named database holding samples under 8-byte big-endian ids.
+        num_samples: how many samples the store says it has (ids ``0..N-1``).
+
+    Returns:
+        The index, or None when the file is not in the shape this reader understands.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        logger.warning("no read-ahead index for %s: %s", path, e.strerror)
+        return None
+    try:
+        # Exactly the tree's pages: the kernel's readahead of a buffered read would pull in
+        # the records around each page too (8 MiB windows on some disks).
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return _Walker(fd, os.fstat(fd).st_size).index(db_name, num_samples)
+    except (_Unreadable, struct.error, ValueError, OSError) as e:
+        logger.warning("no read-ahead index for %s (%s): reading ahead without one", path, e)
+        return None
+    finally:
+        os.close(fd)
+
+
+class _Walker:
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        head = os.pread(fd, _HDR + 160, 0)
+        if len(head) < _HDR + 136 or _U32.unpack_from(head, _HDR)[0] != _MAGIC:
+            raise _Unreadable("not an LMDB 0.9 data file")
+        self.psize = _U32.unpack_from(head, _HDR + 24)[0]  # mm_psize aliases free-DB md_pad
+        if self.psize < 512 or self.psize & (self.psize - 1) or self.psize > 1 << 16:
+            raise _Unreadable(f"implausible page size {self.psize}")
+
+    def index(self, db_name: bytes, num_samples: int) -> ValueIndex:
+        main_root = self._committed_main_root()
+        root = self._named_root(main_root, db_name)
+        offsets = np.full(num_samples, -1, np.int64)
+        lengths = np.zeros(num_samples, np.uint32)
+        if num_samples == 0:
+            return ValueIndex(offsets, lengths)
+        level = [root]
+        for _ in range(_MAX_DEPTH):
+            pages = self._read_pages(level)
+            children: list[int] = []
+            leaves: list[tuple[int, bytes]] = []
+            for pgno, page in zip(level, pages, strict=True):
+                flags = _U16.unpack_from(page, _HDR - 6)[0]
+                if flags & _P_BRANCH:
+                    children += self._branch_children(page)
+                elif flags & _P_LEAF and not flags & _P_LEAF2:
+                    leaves.append((pgno, page))
+                else:
+                    raise _Unreadable(f"page {pgno} is neither branch nor leaf (0x{flags:x})")
+            for pgno, page in leaves:
+                self._leaf_values(pgno, page, offsets, lengths)
+            if not children:
+                break
+            level = children
+        else:
+            raise _Unreadable("tree deeper than LMDB allows")
+        if (offsets < 0).any():
+            raise _Unreadable(f"{int((offsets < 0).sum())} of {num_samples} ids not found")
+        if int((offsets + lengths).max()) > self.size:
+            raise _Unreadable("a value lies past the end of the file")
+        return ValueIndex(offsets, lengths)
+
+    def _committed_main_root(self) -> int:
+        best: tuple[int, int] | None = None
+        for pgno in (0, 1):
+            m = os.pread(self.fd, _HDR + 160, pgno * self.psize) + b""
+            if len(m) < _HDR + 136 or _U32.unpack_from(m, _HDR)[0] != _MAGIC:
+                continue
+            main_root = _U64.unpack_from(m, _HDR + 24 + 48 + 40)[0]
+            txnid = _U64.unpack_from(m, _HDR + 24 + 96 + 8)[0]
+            if best is None or txnid > best[0]:
+                best = (txnid, main_root)
+        if best is None:
+            raise _Unreadable("no valid meta page")
+        return best[1]
+
+    def _named_root(self, root: int, name: bytes) -> int:
+        pgno = root
+        for _ in range(_MAX_DEPTH):
+            page = self._read_pages([pgno])[0]
+            flags = _U16.unpack_from(page, _HDR - 6)[0]
+            nodes = list(self._nodes(page))
+            if flags & _P_BRANCH:  # main DB keys are names: pick the last separator <= name
+                child = None
+                for i, (o, lo, hi, nflags, ksize) in enumerate(nodes):
+                    key = page[o + 8 : o + 8 + ksize]
+                    if i == 0 or key <= name:
+                        child = lo | hi << 16 | nflags << 32
+                if child is None:
+                    raise _Unreadable("empty branch page in the main database")
+                pgno = child
+                continue
+            for o, lo, hi, nflags, ksize in nodes:
+                if page[o + 8 : o + 8 + ksize] == name and nflags & _F_SUBDATA:
+                    dsize = lo | hi << 16
+                    if dsize != 48:
+                        raise _Unreadable(f"database record of {dsize} bytes")
+                    return int(_U64.unpack_from(page, o + 8 + ksize + 40)[0])
+            raise _Unreadable(f"no database named {name!r}")
+        raise _Unreadable("main database deeper than LMDB allows")
+
+    def _read_pages(self, pgnos: list[int]) -> list[bytes]:
+        ps = self.psize
+        for pgno in pgnos:  # many reads in flight: the walk is one round trip per level
+            if (pgno + 1) * ps > self.size or pgno < 2:
+                raise _Unreadable(f"page {pgno} is outside the file")
+            os.posix_fadvise(self.fd, pgno * ps, ps, os.POSIX_FADV_WILLNEED)
+        out = []
+        for pgno in pgnos:
+            page = os.pread(self.fd, ps, pgno * ps)
+            if len(page) != ps or _U64.unpack_from(page, 0)[0] != pgno:
+                raise _Unreadable(f"page {pgno} does not carry its own number")
+            out.append(page)
+        return out
+
+    def _nodes(self, page: bytes) -> list[tuple[int, int, int, int, int]]:
+        lower = _U16.unpack_from(page, _HDR - 4)[0]
+        n = (lower - _HDR) >> 1
+        if n < 0 or _HDR + 2 * n > self.psize:
+            raise _Unreadable("page header out of bounds")
+        out = []
+        for ptr in struct.unpack_from(f"<{n}H", page, _HDR):
+            if ptr + 8 > self.psize:
+                raise _Unreadable("node out of bounds")
+            lo, hi, nflags, ksize = struct.unpack_from("<4H", page, ptr)
+            if ptr + 8 + ksize > self.psize:
+                raise _Unreadable("key out of bounds")
+            out.append((ptr, lo, hi, nflags, ksize))
+        return out
+
+    def _branch_children(self, page: bytes) -> list[int]:
+        return [lo | hi << 16 | nflags << 32 for _, lo, hi, nflags, _ in self._nodes(page)]
+
+    def _leaf_values(
+        self, pgno: int, page: bytes, offsets: np.ndarray, lengths: np.ndarray
+    ) -> None:
+        ps, n = self.psize, len(offsets)
+        for o, lo, hi, nflags, ksize in self._nodes(page):
+            if ksize != 8:
+                raise _Unreadable(f"key of {ksize} bytes, expected 8")
+            sid = int.from_bytes(page[o + 8 : o + 16], "big")
+            if sid >= n:
+                raise _Unreadable(f"id {sid} beyond the store's {n} samples")
+            if nflags & _F_BIGDATA:
+                offsets[sid] = _U64.unpack_from(page, o + 16)[0] * ps + _HDR
+            else:
+                offsets[sid] = pgno * ps + o + 16
+            lengths[sid] = lo | hi << 16
