@@ -24,6 +24,8 @@ from loaderd.client.shm import ShmError, ShmRing, SlotDescriptor
 
 logger = logging.getLogger(__name__)
 
+_MAX_RINGS = 8
+
 
 class ShmReceiver:
     """One process's attachment to the daemon's ring; pickles to a fresh, unattached one.
@@ -35,7 +37,7 @@ class ShmReceiver:
 
     def __init__(self, wanted: bool) -> None:
         self.wanted = wanted
-        self._ring: ShmRing | None = None
+        self._rings: dict[str, ShmRing] = {}  # a daemon has one ring per slot size
         self._pid = -1
 
     def accept(self, welcome: dict[str, Any]) -> bool:
@@ -53,12 +55,13 @@ class ShmReceiver:
 
     def _attach(self, name: str) -> ShmRing:
         if self._pid != os.getpid():
-            self._ring, self._pid = None, os.getpid()  # a forked child maps its own
-        if self._ring is None or self._ring.name != name:
-            if self._ring is not None:
-                self._ring.close()  # the daemon restarted with a new ring
-            self._ring = ShmRing.attach(name)
-        return self._ring
+            self._rings, self._pid = {}, os.getpid()  # a forked child maps its own
+        ring = self._rings.get(name)
+        if ring is None:
+            if len(self._rings) >= _MAX_RINGS:  # rings of daemons that restarted since
+                self._rings.pop(next(iter(self._rings))).close()
+            ring = self._rings[name] = ShmRing.attach(name)
+        return ring
 
     def resolve(self, msg: Message) -> bool:
         """Point a BATCH's frames at its slot when it came through shared memory.
@@ -78,9 +81,10 @@ class ShmReceiver:
 
     def close(self) -> None:
         """Unmap (views still held keep the mapping until they go); safe to call twice."""
-        if self._ring is not None and self._pid == os.getpid():
-            self._ring.close()
-        self._ring = None
+        if self._pid == os.getpid():
+            for ring in self._rings.values():
+                ring.close()
+        self._rings = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"wanted": self.wanted}

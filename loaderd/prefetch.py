@@ -1,9 +1,16 @@
-"""Background assembly of batches ahead of demand, so the server loop never waits on I/O.
+"""Batch assembly ahead of demand: the one place where a batch's bytes are put together.
 
-Assembly reads a batch's records from the tier stack and copies each field into one contiguous
-array per field, ready to go out as a frame. It runs on a small thread pool: LMDB reads,
-checksums and numpy copies release the GIL for the bytes they touch. Finished batches are
-announced through a pipe that the server loop polls next to its socket.
+``Assembler`` reads a batch's records from the tier stack (views into LMDB's map for misses,
+so a record passed through is never copied on the way) and copies each field, once, into the
+batch's frames: ids, weights, then per field its rows (fixed shape) or its offsets and bytes
+(variable length), in wire order. Where the frames live is the caller's choice: an
+``Allocate`` function lends memory (a shared-memory ring slot, ``loaderd.shm_ring``); without
+one, or when it has none that fits, the frames are fresh memory. The record layout comes from
+``storage.records.Layout``; nothing here knows a byte offset of its own.
+
+``Prefetcher`` runs assemblies on a small thread pool (LMDB reads, checksums and copies
+release the GIL for the bytes they touch) and announces finished ones through a pipe that the
+server loop polls next to its socket.
 """
 
 from __future__ import annotations
@@ -14,131 +21,245 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 from loaderd.client.protocol import BatchArrays, Column, VarColumn
-from loaderd.storage.records import RECORD_HEADER, RecordCodec, Schema
-from loaderd.storage.tiers import TierStack
+from loaderd.client.shm import slot_layout
+from loaderd.gate import Gate
+from loaderd.storage.records import RecordCodec, Schema
+from loaderd.storage.tiers import Record, TierStack
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[Any, ...]
-# Records smaller than this are joined and sliced in C (two copies, no Python loop); larger ones
-# are copied row by row (one copy), where the loop's ~2 us per row no longer matters.
+# Equal-size records smaller than this are joined and sliced in C (two copies, no Python loop
+# per row and field); larger ones are copied row by row (one copy; ~0.4 us a row no longer
+# matters next to the bytes).
 _JOIN_BELOW = 16 << 10
+# Rows at least this long are copied by numpy, which lets go of the GIL for the copy (the
+# other assembler copies meanwhile); shorter ones by a memoryview slice (less overhead).
+_NUMPY_FROM = 32 << 10
 
 
-def gather_fixed(records: Sequence[bytes], outs: Sequence[tuple[np.ndarray, int]]) -> None:
-    """Copy bytes ``[offset, offset + width)`` of each record into row i of each ``out``.
+@dataclass(slots=True)
+class Placed:
+    """Memory lent for one batch: one writable buffer per frame, in wire order."""
+
+    frames: list[memoryview]
+    lease: Any = None  # what the allocator lent (given back by its owner); None: fresh memory
+
+
+Allocate = Callable[[Sequence[int]], "Placed | None"]
+
+
+@dataclass(slots=True)
+class Batch(BatchArrays):
+    """An assembled batch: its arrays view ``frames``, which may lie in lent memory."""
+
+    frames: list[memoryview] | None = None
+    lease: Any = None
+
+
+def fresh(sizes: Sequence[int]) -> Placed:
+    """Frames in new memory: one buffer, frames 64-byte aligned as in a ring slot."""
+    spans = slot_layout(sizes)
+    total = spans[-1][0] + spans[-1][1] if spans else 0
+    buf = np.empty(total, np.uint8).data
+    return Placed([buf[off : off + n] for off, n in spans])
+
+
+def gather_rows(records: Sequence[Record], outs: Sequence[tuple[memoryview, int, int]]) -> None:
+    """Copy bytes ``[offset, offset + width)`` of record i into row i of each ``out``.
 
     Args:
         records: the batch's records, in order.
-        outs: (``out``, ``offset``) pairs, ``out`` a uint8 array ``[len(records), width]``.
+        outs: (``out``, ``offset``, ``width``): ``out`` a byte buffer of ``len(records)`` rows.
     """
-    if not records:
+    n = len(records)
+    if not n or not outs:
         return
     size = len(records[0])
     if size < _JOIN_BELOW and all(len(r) == size for r in records):
-        rows = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), size)
-        for out, offset in outs:
-            out[:] = rows[:, offset : offset + out.shape[1]]
+        rows = np.frombuffer(b"".join(records), np.uint8).reshape(n, size)
+        for out, offset, width in outs:
+            np.frombuffer(out, np.uint8).reshape(n, width)[:] = rows[:, offset : offset + width]
         return
-    for out, offset in outs:
-        width = out.shape[1]
+    for out, offset, width in outs:
+        if width >= _NUMPY_FROM:
+            rows_out = np.frombuffer(out, np.uint8).reshape(n, width)
+            for i, rec in enumerate(records):
+                np.copyto(rows_out[i], np.frombuffer(rec, np.uint8, width, offset))
+            continue
+        end = offset + width
         for i, rec in enumerate(records):
-            out[i] = np.frombuffer(rec, np.uint8, width, offset)
+            out[i * width : (i + 1) * width] = memoryview(rec)[offset:end]
 
 
 class Assembler:
-    """Turns sample ids into a batch of contiguous arrays, one per field."""
+    """Turns sample ids into a batch: one frame per id array, fixed field, variable part."""
 
     def __init__(self, tiers: TierStack, schema: Schema) -> None:
         self.tiers = tiers
+        self.schema = schema
         self.codec = RecordCodec(schema)
-        layout = schema.layout
-        # (name, dtype, shape, offset in the record, bytes) of each fixed-shape field
-        self.fixed = [
-            (
-                f.name,
-                np.dtype(f.dtype),
-                f.shape,
-                RECORD_HEADER.size + layout.offsets[f.name],
-                f.nbytes,
-            )
-            for f in schema.fields
-            if not f.variable
-        ]
+        self.layout = schema.layout
+        self._kinds = {f.name: f for f in schema.fields}
 
-    def assemble(self, ids: np.ndarray, weights: np.ndarray) -> BatchArrays:
-        """Read and pack one batch (records are verified by the tiers they come from)."""
-        records = self.tiers.get_many(ids)
-        n = len(records)
+    def frame_sizes(self, n: int, var_bytes: Sequence[int] = ()) -> list[int]:
+        """Byte size of each frame of an n-sample batch, in wire order.
+
+        Args:
+            n: samples in the batch.
+            var_bytes: total bytes of each variable-length field (in ``layout.variable``
+                order); zeros when left out (to size a ring for fixed fields).
+        """
+        var = dict(zip(self.layout.variable, var_bytes, strict=False))
+        fixed = {s.name: s.nbytes for s in self.layout.fixed}
+        sizes = [8 * n, 4 * n]
+        for f in self.schema.fields:
+            if f.name in fixed:
+                sizes.append(n * fixed[f.name])
+            else:
+                sizes += [8 * (n + 1), var.get(f.name, 0)]
+        return sizes
+
+    def assemble(
+        self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None = None
+    ) -> Batch:
+        """Read and copy one batch, into memory from ``allocate`` when it has some."""
+        n = len(ids)
+        with self.tiers.read(ids) as records:
+            parts: list[list[memoryview]] = []
+            var_bytes: list[int] = []
+            if self.layout.variable:
+                parts = [self.codec.variable_parts(memoryview(r)[16:]) for r in records]
+                var_bytes = [
+                    sum(p[k].nbytes for p in parts) for k in range(len(self.layout.variable))
+                ]
+            sizes = self.frame_sizes(n, var_bytes)
+            placed = allocate(sizes) if allocate is not None else None
+            if placed is None:
+                placed = fresh(sizes)
+            try:
+                return self._fill(ids, weights, records, parts, placed)
+            except BaseException:
+                if placed.lease is not None:
+                    placed.lease.release()
+                raise
+
+    def _fill(
+        self,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        records: list[Record],
+        parts: list[list[memoryview]],
+        placed: Placed,
+    ) -> Batch:
+        n = len(ids)
+        frames = placed.frames
+        out_ids = np.frombuffer(frames[0], np.int64)
+        out_ids[:] = ids
+        out_w = np.frombuffer(frames[1], np.float32)
+        out_w[:] = weights
+        slices = {s.name: s for s in self.layout.fixed}
         columns: dict[str, Column] = {}
-        outs = []
-        for name, dtype, shape, off, _ in self.fixed:
-            out = np.empty((n, *shape), dtype)
-            outs.append((out.reshape(n, int(np.prod(shape))).view(np.uint8), off))
-            columns[name] = out
-        gather_fixed(records, outs)
-        if self.codec.layout.variable:
-            parts = [
-                self.codec.variable_parts(memoryview(rec)[RECORD_HEADER.size :]) for rec in records
-            ]
-            for k, name in enumerate(self.codec.layout.variable):
-                lengths = np.fromiter((p[k].nbytes for p in parts), np.int64, n)
-                offsets = np.zeros(n + 1, np.int64)
-                np.cumsum(lengths, out=offsets[1:])
-                data = b"".join(p[k] for p in parts)
-                columns[name] = VarColumn(offsets, memoryview(data))
-        return BatchArrays(
-            np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(weights, np.float32), columns
-        )
+        rows: list[tuple[memoryview, int, int]] = []
+        k, v = 2, 0
+        for f in self.schema.fields:
+            s = slices.get(f.name)
+            if s is not None:
+                rows.append((frames[k], s.offset, s.nbytes))
+                columns[f.name] = np.frombuffer(frames[k], s.dtype).reshape(n, *s.shape)
+                k += 1
+                continue
+            offsets = np.frombuffer(frames[k], np.int64)
+            offsets[0] = 0
+            np.cumsum([p[v].nbytes for p in parts], out=offsets[1:])
+            data = frames[k + 1]
+            for i, p in enumerate(parts):
+                data[int(offsets[i]) : int(offsets[i + 1])] = p[v]
+            columns[f.name] = VarColumn(offsets, data)
+            k, v = k + 2, v + 1
+        gather_rows(records, rows)
+        return Batch(out_ids, out_w, columns, frames=frames, lease=placed.lease)
 
 
 class Prefetcher:
     """A keyed pool of batch assemblies whose completions wake the server loop.
 
     Args:
-        assemble: the function that builds a batch from (ids, weights).
-        workers: the number of assembly threads.
+        assembler: builds batches.
+        workers: how many assemblies run at once (``set_workers`` changes it).
+        allocator_for: the memory a batch with this key is assembled into (None: fresh).
+        on_discard: gives back what a dropped batch holds (its lease).
+        max_workers: the most ``set_workers`` may allow (default ``workers``): the pool's
+            threads, each assembly passing a ``Gate`` of ``workers`` first.
     """
 
     def __init__(
         self,
-        assemble: Callable[[np.ndarray, np.ndarray], BatchArrays],
+        assembler: Assembler,
         workers: int,
-        on_discard: Callable[[BatchArrays], None] | None = None,
+        allocator_for: Callable[[Key], Allocate | None] | None = None,
+        on_discard: Callable[[Batch], None] | None = None,
+        max_workers: int | None = None,
     ) -> None:
-        self._assemble = assemble
-        self._on_discard = on_discard  # gives back what a dropped batch holds (a shm slot)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-prefetch")
-        self._futures: dict[Key, Future[BatchArrays]] = {}
+        self._assembler = assembler
+        self.gate = Gate(workers)
+        self.max_workers = max(workers, max_workers or workers)
+        self._allocator_for = allocator_for
+        self._on_discard = on_discard
+        self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="loaderd-prefetch")
+        self._futures: dict[Key, Future[Batch]] = {}
         self._done: list[Key] = []
         self._lock = threading.Lock()
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
 
-    def submit(self, key: Key, ids: np.ndarray, weights: np.ndarray) -> Future[BatchArrays]:
+    def submit(self, key: Key, ids: np.ndarray, weights: np.ndarray) -> Future[Batch]:
         """Start assembling ``key`` unless it is already under way; returns its future."""
         fut = self._futures.get(key)
         if fut is None:
-            fut = self._pool.submit(self._assemble, ids, weights)
+            allocate = self._allocator_for(key) if self._allocator_for is not None else None
+            fut = self._pool.submit(self._assemble, ids, weights, allocate)
             self._futures[key] = fut
             fut.add_done_callback(partial(self._announce, key))
         return fut
 
-    def __contains__(self, key: Key) -> bool:
-        return key in self._futures
+    def _assemble(self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None) -> Batch:
+        with self.gate:
+            return self._assembler.assemble(ids, weights, allocate)
 
-    def get(self, key: Key) -> Future[BatchArrays] | None:
+    @property
+    def workers(self) -> int:
+        """How many assemblies may run at once."""
+        return self.gate.limit
+
+    def set_workers(self, n: int) -> None:
+        """Allow ``n`` assemblies at once (1..``max_workers``), from the next one on."""
+        if not 1 <= n <= self.max_workers:
+            raise ValueError(f"workers must be in [1, {self.max_workers}], got {n}")
+        self.gate.set_limit(n)
+
+    def assembled_bytes(self) -> int:
+        """Bytes held by batches assembled and not yet sent (ahead of demand)."""
+        total = 0
+        for fut in list(self._futures.values()):
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                frames = fut.result().frames
+                total += sum(f.nbytes for f in frames) if frames else 0
+        return total
+
+    def get(self, key: Key) -> Future[Batch] | None:
         """The current assembly of ``key``, if any."""
         return self._futures.get(key)
 
-    def pop(self, key: Key) -> Future[BatchArrays] | None:
+    def pop(self, key: Key) -> Future[Batch] | None:
         """Forget a key (its batch was sent or is no longer wanted)."""
         return self._futures.pop(key, None)
 
@@ -149,11 +270,11 @@ class Prefetcher:
             if not fut.cancel() and self._on_discard is not None:
                 fut.add_done_callback(self._discard)  # runs now if it is done already
 
-    def _discard(self, fut: Future[BatchArrays]) -> None:
+    def _discard(self, fut: Future[Batch]) -> None:
         if self._on_discard is not None and not fut.cancelled() and fut.exception() is None:
             self._on_discard(fut.result())
 
-    def _announce(self, key: Key, _future: Future[BatchArrays]) -> None:
+    def _announce(self, key: Key, _future: Future[Batch]) -> None:
         with self._lock:
             self._done.append(key)
         with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake already
@@ -177,6 +298,7 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop the workers (queued assemblies are cancelled); safe to call twice."""
+        self.gate.set_limit(self.max_workers)  # no started assembly waits behind a low limit
         self._pool.shutdown(wait=True, cancel_futures=True)
         for fd in (self.wake_fd, self._wake_w):
             with contextlib.suppress(OSError):

@@ -41,7 +41,7 @@ def build_tiers(config: CacheConfig, store: SampleStore) -> TierStack:
     """
     arena = None
     if config.nvram_dir is not None:
-        config.nvram_dir.mkdir(parents=True, exist_ok=True)
+        config.nvram_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         arena = Arena(
             config.nvram_dir / ARENA_FILE,
             config.nvram_bytes,

@@ -16,7 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loaderd.client.shm import ShmRing, cleanup_stale, process_alive
+from loaderd.client.shm import ShmRing
+from loaderd.consumers import pid_alive
+from loaderd.shm_ring import LentRing, cleanup_stale
+from tests.unit.test_shm import pack
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +28,8 @@ PREFIX = "ldcrash-"
 DAEMON = textwrap.dedent(
     """
     import sys
-    from loaderd.client.shm import ShmRing
-    ring = ShmRing.create(4, 1 << 20, prefix=sys.argv[1], directory=sys.argv[2])
+    from loaderd.shm_ring import LentRing
+    ring = LentRing.create(4, 1 << 20, prefix=sys.argv[1], directory=sys.argv[2])
     slot = ring.acquire("someone")
     ring.view(slot)[:5] = b"hello"
     print(ring.name, flush=True)
@@ -94,7 +97,7 @@ def test_killed_daemon_leaves_nothing_that_blocks_a_restart(shm_dir: Path) -> No
     assert proc.returncode == -signal.SIGKILL
     assert (shm_dir / name).exists()  # a SIGKILL runs no cleanup: the segment stays behind
 
-    with ShmRing.create(2, 4096, prefix=PREFIX, directory=shm_dir) as live:
+    with LentRing.create(2, 4096, prefix=PREFIX, directory=shm_dir) as live:
         assert cleanup_stale(PREFIX, directory=shm_dir) == [name]
         assert sorted(p.name for p in shm_dir.iterdir()) == [live.name]
         with ShmRing.attach(live.name, directory=shm_dir):
@@ -103,7 +106,7 @@ def test_killed_daemon_leaves_nothing_that_blocks_a_restart(shm_dir: Path) -> No
 
 def test_killed_client_slots_are_reclaimed(shm_dir: Path) -> None:
     rng = np.random.default_rng(1)
-    with ShmRing.create(3, 1 << 16, prefix=PREFIX, directory=shm_dir) as ring:
+    with LentRing.create(3, 1 << 16, prefix=PREFIX, directory=shm_dir) as ring:
         proc = _spawn(CLIENT, str(shm_dir))
         try:
             assert proc.stdin is not None and proc.stdout is not None
@@ -112,7 +115,7 @@ def test_killed_client_slots_are_reclaimed(shm_dir: Path) -> None:
                 slot = ring.acquire(owner)
                 assert slot is not None
                 frames = [rng.bytes(n) for n in (100, 7, 40_000)]
-                desc = ring.pack(slot, frames)
+                desc = pack(ring, slot, frames)
                 proc.stdin.write(json.dumps(desc.to_json()) + "\n")
                 proc.stdin.flush()
                 # The other process reads exactly these bytes through its own mapping.
@@ -122,12 +125,12 @@ def test_killed_client_slots_are_reclaimed(shm_dir: Path) -> None:
         finally:
             _kill(proc)
 
-        assert not process_alive(proc.pid)  # how the daemon learns the consumer is gone
+        assert not pid_alive(proc.pid)  # how the daemon learns the consumer is gone
         assert len(ring.reclaim(owner)) == 2
         assert ring.lent() == {other: "other"} and ring.free_count == 2
         slot = ring.acquire("next")
         assert slot is not None
-        desc = ring.pack(slot, [b"fresh"])
+        desc = pack(ring, slot, [b"fresh"])
         with ShmRing.attach(ring.name, directory=shm_dir) as client:
             assert [bytes(f) for f in client.frames(desc)] == [b"fresh"]
 
@@ -135,8 +138,8 @@ def test_killed_client_slots_are_reclaimed(shm_dir: Path) -> None:
 FORKER = textwrap.dedent(
     """
     import os, sys
-    from loaderd.client.shm import ShmRing
-    ring = ShmRing.create(1, 4096, prefix=sys.argv[1], directory=sys.argv[2])
+    from loaderd.shm_ring import LentRing
+    ring = LentRing.create(1, 4096, prefix=sys.argv[1], directory=sys.argv[2])
     pid = os.fork()
     if pid == 0:
         ring.close()

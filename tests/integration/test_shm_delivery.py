@@ -42,7 +42,8 @@ def test_shm_returns_exactly_the_stored_bytes(
     s = shm_stats(ds)
     assert s["ring"] and s["delivered"] == -(-N_SAMPLES // 64)
     assert s["socket_fallbacks"] == 0
-    assert s["lent_to_consumers"] == 0, "the final ACK gives every slot back"
+    # The final ACK gives back every slot the trainer dropped; it still holds the last batch.
+    assert s["lent_to_consumers"] == 1
     assert (SHM_DIR / s["ring"]).exists()
     ds.close()
 

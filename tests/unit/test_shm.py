@@ -7,6 +7,7 @@ import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,12 +26,11 @@ from loaderd.client.shm import (
     ShmError,
     ShmRing,
     SlotDescriptor,
-    cleanup_stale,
     copy_batch,
     layout_bytes,
-    process_alive,
     slot_layout,
 )
+from loaderd.shm_ring import LentRing, cleanup_stale, process_alive
 
 PREFIX = "ldtest-"
 DEAD_PID = (1 << 22) + 4242  # above the largest pid_max Linux allows: never a live process
@@ -48,9 +48,18 @@ def shm_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def ring(shm_dir: Path) -> Iterator[ShmRing]:
-    with ShmRing.create(4, 10_000, prefix=PREFIX, directory=shm_dir) as r:
+def ring(shm_dir: Path) -> Iterator[LentRing]:
+    with LentRing.create(4, 10_000, prefix=PREFIX, directory=shm_dir) as r:
         yield r
+
+
+def pack(ring: LentRing, slot: int, frames: list[Any]) -> SlotDescriptor:
+    """Copy ready frames into a lent slot (what the assembler does in place)."""
+    bufs = [memoryview(f).cast("B") for f in frames]
+    desc = ring.layout(slot, [b.nbytes for b in bufs])
+    for b, (off, n) in zip(bufs, desc.frames, strict=True):
+        ring.view(slot, off, n)[:] = b
+    return desc
 
 
 def _rewrite_header(path: Path, *, pid: int, start: int = 0, magic: bytes = MAGIC) -> None:
@@ -85,14 +94,14 @@ def test_slot_layout_rejects_negative_size() -> None:
 # --- round trip --------------------------------------------------------------------------------
 
 
-def test_round_trip_exact_bytes(ring: ShmRing, shm_dir: Path) -> None:
+def test_round_trip_exact_bytes(ring: LentRing, shm_dir: Path) -> None:
     assert ring.path.parent == shm_dir and ring.name.startswith(f"{PREFIX}{os.getpid()}-")
     assert ring.slot_bytes % os.sysconf("SC_PAGE_SIZE") == 0 and ring.slot_bytes >= 10_000
     rng = np.random.default_rng(0)
     frames = [rng.bytes(n) for n in (1, 63, 64, 65, 0, 3000)]
     slot = ring.acquire("c1")
     assert slot is not None
-    desc = ring.pack(slot, frames)
+    desc = pack(ring, slot, frames)
     assert all(off % ALIGN == 0 for off, _ in desc.frames)
 
     wire = SlotDescriptor.from_json(json.loads(json.dumps(desc.to_json())))
@@ -104,7 +113,7 @@ def test_round_trip_exact_bytes(ring: ShmRing, shm_dir: Path) -> None:
         del views
 
 
-def test_slot_frames_decode_as_a_batch_without_copy(ring: ShmRing, shm_dir: Path) -> None:
+def test_slot_frames_decode_as_a_batch_without_copy(ring: LentRing, shm_dir: Path) -> None:
     schema = [P.FieldSpec("x", "float32", (3,)), P.FieldSpec("txt", "binary")]
     arrays = P.BatchArrays(
         ids=np.arange(4, dtype=np.int64),
@@ -116,7 +125,7 @@ def test_slot_frames_decode_as_a_batch_without_copy(ring: ShmRing, shm_dir: Path
     )
     slot = ring.acquire()
     assert slot is not None
-    desc = ring.pack(slot, P.batch_frames(arrays, schema))
+    desc = pack(ring, slot, P.batch_frames(arrays, schema))
     with ShmRing.attach(ring.name, directory=shm_dir) as client:
         msg = P.Message(P.MsgType.BATCH, 1, {"n": 4}, client.frames(desc))
         got = P.decode_batch(msg, schema)
@@ -129,10 +138,10 @@ def test_slot_frames_decode_as_a_batch_without_copy(ring: ShmRing, shm_dir: Path
         del t, got, msg
 
 
-def test_copy_batch_survives_slot_reuse(ring: ShmRing, shm_dir: Path) -> None:
+def test_copy_batch_survives_slot_reuse(ring: LentRing, shm_dir: Path) -> None:
     slot = ring.acquire()
     assert slot is not None
-    desc = ring.pack(slot, [np.arange(8, dtype=np.int64)])
+    desc = pack(ring, slot, [np.arange(8, dtype=np.int64)])
     with ShmRing.attach(ring.name, directory=shm_dir) as client:
         (frame,) = client.frames(desc)
         arr = np.frombuffer(frame, np.int64)
@@ -150,7 +159,7 @@ def test_copy_batch_survives_slot_reuse(ring: ShmRing, shm_dir: Path) -> None:
 # --- lending -----------------------------------------------------------------------------------
 
 
-def test_slots_are_not_reused_before_release(ring: ShmRing, shm_dir: Path) -> None:
+def test_slots_are_not_reused_before_release(ring: LentRing, shm_dir: Path) -> None:
     got = [ring.acquire("a") for _ in range(ring.slots)]
     assert sorted(got) == list(range(ring.slots))  # type: ignore[type-var]
     assert ring.acquire("a") is None and ring.free_count == 0
@@ -167,7 +176,7 @@ def test_slots_are_not_reused_before_release(ring: ShmRing, shm_dir: Path) -> No
         assert client.is_current(ring.layout(first, [16]))
 
 
-def test_release_checks_lending(ring: ShmRing) -> None:
+def test_release_checks_lending(ring: LentRing) -> None:
     slot = ring.acquire("a")
     assert slot is not None
     with pytest.raises(ValueError, match="not lent to 'b'"):
@@ -181,7 +190,7 @@ def test_release_checks_lending(ring: ShmRing) -> None:
         ring.layout(slot, [1])
 
 
-def test_reclaim_frees_only_that_owners_slots(ring: ShmRing) -> None:
+def test_reclaim_frees_only_that_owners_slots(ring: LentRing) -> None:
     a = [ring.acquire(("job", 0, 1)) for _ in range(2)]
     b = ring.acquire(("job", 0, 2))
     assert ring.reclaim(("job", 0, 1)) == sorted(a)  # type: ignore[type-var]
@@ -190,7 +199,7 @@ def test_reclaim_frees_only_that_owners_slots(ring: ShmRing) -> None:
     assert ring.free_count == ring.slots - 1
 
 
-def test_view_and_layout_bounds(ring: ShmRing) -> None:
+def test_view_and_layout_bounds(ring: LentRing) -> None:
     slot = ring.acquire()
     assert slot is not None
     assert ring.view(slot).nbytes == ring.slot_bytes
@@ -202,13 +211,13 @@ def test_view_and_layout_bounds(ring: ShmRing) -> None:
         ring.layout(slot, [ring.slot_bytes, 1])
 
 
-def test_attached_side_cannot_lend(ring: ShmRing, shm_dir: Path) -> None:
-    with ShmRing.attach(ring.name, directory=shm_dir) as client, pytest.raises(ShmError):
-        client.acquire()
+def test_attached_side_cannot_lend(ring: LentRing, shm_dir: Path) -> None:
+    with ShmRing.attach(ring.name, directory=shm_dir) as client:
+        assert not hasattr(client, "acquire")  # lending lives in the daemon package
 
 
 def test_close_twice_and_with_views_alive(shm_dir: Path) -> None:
-    r = ShmRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
+    r = LentRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
     slot = r.acquire()
     assert slot is not None
     v = r.view(slot)
@@ -223,13 +232,13 @@ def test_close_twice_and_with_views_alive(shm_dir: Path) -> None:
 
 def test_create_arguments(shm_dir: Path) -> None:
     with pytest.raises(ValueError, match="slots"):
-        ShmRing.create(0, 10, directory=shm_dir)
+        LentRing.create(0, 10, directory=shm_dir)
     with pytest.raises(ValueError, match="slot_bytes"):
-        ShmRing.create(1, 0, directory=shm_dir)
+        LentRing.create(1, 0, directory=shm_dir)
     with pytest.raises(ValueError, match="prefix"):
-        ShmRing.create(1, 10, prefix="../x", directory=shm_dir)
+        LentRing.create(1, 10, prefix="../x", directory=shm_dir)
     with pytest.raises(ShmError, match="cannot create"):
-        ShmRing.create(1, 10, directory=shm_dir / "missing")
+        LentRing.create(1, 10, directory=shm_dir / "missing")
 
 
 # --- attach errors -----------------------------------------------------------------------------
@@ -246,7 +255,7 @@ def test_attach_refuses_bad_names(shm_dir: Path) -> None:
             ShmRing.attach(name, directory=shm_dir)
 
 
-def test_attach_refuses_bad_headers(ring: ShmRing, shm_dir: Path) -> None:
+def test_attach_refuses_bad_headers(ring: LentRing, shm_dir: Path) -> None:
     bad = shm_dir / "not-a-ring"
     bad.write_bytes(b"hello")
     with pytest.raises(ShmError, match=f"{bad} is not a loaderd ring"):
@@ -265,7 +274,7 @@ def test_attach_refuses_bad_headers(ring: ShmRing, shm_dir: Path) -> None:
 
 
 def test_attach_refuses_wrong_version_and_size(shm_dir: Path) -> None:
-    with ShmRing.create(2, 100, prefix=PREFIX, directory=shm_dir) as r:
+    with LentRing.create(2, 100, prefix=PREFIX, directory=shm_dir) as r:
         os.truncate(r.path, os.path.getsize(r.path) - 4096)
         with pytest.raises(ShmError, match="its header says"):
             ShmRing.attach(r.name, directory=shm_dir)
@@ -302,7 +311,7 @@ def test_descriptor_from_json_rejects(obj: object) -> None:
         SlotDescriptor.from_json(obj)
 
 
-def test_frames_reject_descriptors_outside_the_ring(ring: ShmRing, shm_dir: Path) -> None:
+def test_frames_reject_descriptors_outside_the_ring(ring: LentRing, shm_dir: Path) -> None:
     slot = ring.acquire()
     assert slot is not None
     good = ring.layout(slot, [10, 20])
@@ -325,9 +334,9 @@ def test_frames_reject_descriptors_outside_the_ring(ring: ShmRing, shm_dir: Path
 
 
 def test_cleanup_stale_removes_dead_owners_and_keeps_live(shm_dir: Path) -> None:
-    live = ShmRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
-    dead = ShmRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
-    reused = ShmRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
+    live = LentRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
+    dead = LentRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
+    reused = LentRing.create(1, 100, prefix=PREFIX, directory=shm_dir)
     dead.unlink()
     shutil.copy(live.path, shm_dir / f"{PREFIX}{DEAD_PID}-dead")
     _rewrite_header(shm_dir / f"{PREFIX}{DEAD_PID}-dead", pid=DEAD_PID)

@@ -1,0 +1,211 @@
+"""Plan-aware read-ahead: the storage device busy far ahead of the trainers, within a budget.
+
+The daemon knows every pass's order before it starts, so it need not wait for a trainer to
+ask before a record is read. For each open pass (a *stream*: one rank's pass) this thread
+walks the plan from the first batch not yet handed out and asks the kernel to read the
+records of the next batches (``SampleStore.advise``: ``posix_fadvise(WILLNEED)`` on their byte
+ranges in data.mdb), skipping what a cache tier holds. The kernel queues all those reads at
+once, so the device sees many in flight while the assemblers copy what has arrived; measured
+here, one thread advising 64 MiB ahead reads a cold store at 96 % of 32 threads issuing
+``pread``, against 28 % for 32 threads faulting pages in through LMDB (``docs/design.md``).
+
+The window is counted in bytes, not batches: the records advised for batches not yet handed
+out never exceed ``budget_bytes`` over all streams (bounded memory with a store larger than
+RAM). A stream advances only when its pass does, so a trainer that stops mid-epoch leaves a
+full window and nothing running; a stream that has not moved for ``idle_s`` gives its share
+back, and a finished or forgotten pass ends its stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from loaderd.planner import RankPlan
+from loaderd.storage.store import SampleStore
+
+logger = logging.getLogger(__name__)
+
+StreamKey = tuple[Any, ...]  # opaque: (job, rank, epoch, phase) from the server
+
+
+@dataclass(slots=True)
+class _Stream:
+    plan: RankPlan
+    head: int  # the first batch not yet handed out
+    issued: int  # batches [head, issued) are advised (or cached)
+    window: deque[tuple[int, int]] = field(default_factory=deque)  # (batch index, bytes)
+    bytes: int = 0
+    moved: float = field(default_factory=time.monotonic)
+
+
+class ReadAhead:
+    """One thread that advises the store's records ahead of every open pass.
+
+    Args:
+        store: the store to read ahead in.
+        cached: which of some ids a cache tier holds (those are not read ahead).
+        budget_bytes: the most record bytes advised for batches not yet handed out; 0 turns
+            read-ahead off.
+        idle_s: a stream whose pass has not moved for this long gives its window back.
+    """
+
+    def __init__(
+        self,
+        store: SampleStore,
+        cached: Callable[[np.ndarray], np.ndarray],
+        budget_bytes: int,
+        idle_s: float = 60.0,
+    ) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"`budget_bytes` must be >= 0, got {budget_bytes}")
+        self.store = store
+        self.cached = cached
+        self.budget_bytes = budget_bytes
+        self.idle_s = idle_s
+        self._streams: dict[StreamKey, _Stream] = {}
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._mean = max(1, store.total_bytes // max(store.num_samples, 1))
+        self.advised_bytes = 0
+        self.advised_records = 0
+        self.peak_bytes = 0
+        self.busy = False
+        self._warned = False
+        self.indexed = False  # byte ranges known (posix_fadvise), else records are touched
+        self._thread: threading.Thread | None = None
+        if budget_bytes > 0:
+            self._thread = threading.Thread(target=self._run, name="loaderd-readahead", daemon=True)
+            self._thread.start()
+
+    # --- the server loop's side ---------------------------------------------------------------
+
+    def follow(self, key: StreamKey, plan: RankPlan, head: int) -> None:
+        """Pass ``key`` will hand out its batches from ``head`` on, in plan order."""
+        if self._thread is None:
+            return
+        with self._cond:
+            s = self._streams.get(key)
+            if s is None or s.plan is not plan:
+                if s is not None:
+                    self._bytes -= s.bytes
+                s = self._streams[key] = _Stream(plan, head, head)
+            elif head != s.head:
+                s.head, s.moved = head, time.monotonic()
+                while s.window and s.window[0][0] < head:
+                    self._bytes -= s.window.popleft()[1]
+                s.bytes = sum(n for _, n in s.window)
+                s.issued = max(s.issued, head)
+            if head >= plan.num_batches:
+                self._end(key)
+            self._cond.notify()
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the window's bound while serving (``serve --autotune``).
+
+        A lower bound takes effect as the passes move: what was advised stays in the page
+        cache, and nothing more is advised until the window is below the new bound.
+        """
+        if budget_bytes < 0:
+            raise ValueError(f"`budget_bytes` must be >= 0, got {budget_bytes}")
+        with self._cond:
+            self.budget_bytes = budget_bytes
+            self._warned = False
+            self._cond.notify()
+
+    def drop(self, predicate: Callable[[StreamKey], bool]) -> None:
+        """End every stream whose key matches (its pass is over or forgotten)."""
+        with self._cond:
+            for key in [k for k in self._streams if predicate(k)]:
+                self._end(key)
+
+    def _end(self, key: StreamKey) -> None:
+        s = self._streams.pop(key)
+        self._bytes -= s.bytes
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _next(self) -> tuple[StreamKey, _Stream, int, np.ndarray, int] | None:
+        """The batch to advise next: of the stream least far ahead, if it fits the budget."""
+        now = time.monotonic()
+        for key in [k for k, s in self._streams.items() if now - s.moved > self.idle_s]:
+            logger.info("read-ahead: pass %s has not moved for %.0f s, parked", key, self.idle_s)
+            self._end(key)
+        open_ = [(s.bytes, k) for k, s in self._streams.items() if s.issued < s.plan.num_batches]
+        if not open_:
+            return None
+        _, key = min(open_, key=lambda t: t[0])
+        s = self._streams[key]
+        index = s.issued
+        ids = s.plan.batch(index)[0]
+        sizes = self.store.record_bytes(ids)
+        need = int(sizes.sum()) if sizes is not None else self._mean * len(ids)
+        if self._bytes + need > self.budget_bytes:
+            if not self._bytes and not self._warned:
+                self._warned = True
+                logger.warning(
+                    "read-ahead budget of %d bytes holds less than one batch (%d bytes): "
+                    "nothing is read ahead (raise --readahead-bytes)",
+                    self.budget_bytes,
+                    need,
+                )
+            return None
+        return key, s, index, ids, need
+
+    def _run(self) -> None:
+        self.indexed = self.store.value_index is not None  # built here, off the serving path
+        while not self._stop.is_set():
+            with self._cond:
+                job = self._next()
+                self.busy = job is not None
+                if job is None:
+                    self._cond.wait(timeout=1.0)
+                    continue
+                key, s, index, ids, need = job
+                s.issued = index + 1  # claimed: the server thread may move the head meanwhile
+            try:
+                todo = ids[~self.cached(ids)]
+                done = self.store.advise(todo) if len(todo) else 0
+            except Exception:
+                logger.exception("read-ahead of pass %s failed; going on without it", key)
+                done = 0
+            with self._cond:
+                if self._streams.get(key) is s and index >= s.head:
+                    s.window.append((index, need))
+                    s.bytes += need
+                    self._bytes += need
+                    self.peak_bytes = max(self.peak_bytes, self._bytes)
+                self.advised_bytes += done
+                self.advised_records += len(todo)
+
+    # --- the rest -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The ``readahead`` section of STATS."""
+        with self._cond:
+            return {
+                "budget_bytes": self.budget_bytes,
+                "window_bytes": self._bytes,
+                "peak_window_bytes": self.peak_bytes,
+                "advised_bytes": self.advised_bytes,
+                "advised_records": self.advised_records,
+                "streams": len(self._streams),
+                "busy": self.busy,
+                "indexed": self.indexed,
+            }
+
+    def close(self) -> None:
+        """Stop the thread (safe to call twice)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -1,0 +1,184 @@
+"""The data path against a real daemon: the store's bytes on every path, the read-ahead's
+budget and its stop when a trainer stops, and rings for jobs of different batch sizes."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loaderd.client import LoaderdDataset
+from loaderd.client.connection import Connection
+from loaderd.client.protocol import MsgType
+from loaderd.storage.records import Field, RecordCodec, Schema
+from loaderd.storage.store import StoreWriter
+from tests.helpers import Daemon, wait_until
+
+pytestmark = pytest.mark.integration
+
+N = 96
+IMAGE = 20_000  # above the size whose DRAM copy is a locked view of the store's pages
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """A store with a large fixed field, a label and a variable-length tag; its samples."""
+    schema = Schema(
+        (Field("image", "uint8", (IMAGE,)), Field("label", "int64"), Field("tag", "binary"))
+    )
+    codec = RecordCodec(schema)
+    rng = np.random.default_rng(3)
+    samples = [
+        {
+            "image": rng.integers(0, 256, IMAGE, dtype=np.uint8),
+            "label": i * 7,
+            "tag": rng.bytes(int(rng.integers(0, 300))),
+        }
+        for i in range(N)
+    ]
+    path = tmp_path_factory.mktemp("dp") / "s.db"
+    with StoreWriter(path, schema) as w:
+        w.append(codec.encode(s) for s in samples)
+    return path, samples
+
+
+def evict(db: Path) -> None:
+    fd = os.open(db / "data.mdb", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(db: Path) -> int:
+    """Bytes of data.mdb in the page cache (mincore)."""
+    path = db / "data.mdb"
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = np.frombuffer(mm, np.uint8).ctypes.data
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+        resident = sum(v & 1 for v in vec)
+        del addr
+    return resident * mmap.PAGESIZE
+
+
+def check_epoch(ds: LoaderdDataset, samples: list[dict[str, Any]]) -> list[int]:
+    """Iterate one pass, comparing every sample with what was stored; returns the ids."""
+    seen: list[int] = []
+    for batch in ds:
+        for row, sid in enumerate(batch["id"].tolist()):
+            want = samples[sid]
+            np.testing.assert_array_equal(batch["image"][row].numpy(), want["image"])
+            assert int(batch["label"][row]) == want["label"]
+            assert batch["tag"][row] == want["tag"]
+        seen += batch["id"].tolist()
+    return seen
+
+
+def stats(address: str) -> dict[str, Any]:
+    with Connection(address) as c:
+        return dict(c.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)
+
+
+@pytest.fixture
+def served(store: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> Iterator[Daemon]:
+    evict(store[0])  # the first epoch is a cold one
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "8MiB"]) as d:
+        yield d
+
+
+def test_store_bytes_cold_hit_socket_and_shm(
+    served: Daemon, store: tuple[Path, list[dict[str, Any]]]
+) -> None:
+    samples = store[1]
+    ds = LoaderdDataset(served.address, job="exact", batch_size=10)
+    assert sorted(check_epoch(ds, samples)) == list(range(N))  # cold: read ahead, then read
+    assert sorted(check_epoch(ds, samples)) == list(range(N))  # hits: DRAM (locked views)
+    s = ds.stats()
+    assert s["readahead"]["advised_records"] > 0 and s["readahead"]["indexed"]
+    assert s["shm"]["delivered"] > 0 and s["shm"]["socket_fallbacks"] == 0
+    assert s["tiers"][0]["hits"] >= N
+    ds.close()
+    sock = LoaderdDataset(served.address, job="exact-socket", batch_size=7, shm=False)
+    assert sorted(check_epoch(sock, samples)) == list(range(N))
+    sock.close()
+
+
+def test_store_bytes_through_the_arena(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    extra = [
+        "--dram-bytes", "200KiB", "--nvram-dir", str(tmp_path / "nv"), "--nvram-bytes", "8MiB",
+        "--cache-policy", "lru",
+    ]  # fmt: skip
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="arena", batch_size=12)
+        for _ in range(3):
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        arena = ds.stats()["tiers"][1]
+        assert arena["hits"] > 0, arena
+        ds.close()
+
+
+def test_readahead_budget_and_a_trainer_that_stops(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    db = store[0]
+    budget = 128 << 10  # about 6 records
+    extra = [
+        "--dram-bytes", "0", "--readahead-bytes", str(budget), "--prefetch", "1",
+    ]  # fmt: skip
+    evict(db)
+    with Daemon(db=db, state_dir=tmp_path / "st", extra=extra) as d:
+        wait_until(lambda: stats(d.address)["readahead"]["indexed"], what="the value index")
+        opened = resident_bytes(db)  # what opening the store read (meta and tree pages)
+        ds = LoaderdDataset(d.address, job="stop", batch_size=2, prefetch=1)
+        it = iter(ds)
+        for _ in range(3):
+            next(it)  # the trainer takes three batches, then stops without a word
+
+        def settled() -> bool:
+            ra = stats(d.address)["readahead"]
+            return not ra["busy"] and ra["window_bytes"] > 0
+
+        wait_until(settled, what="the read-ahead to fill its window and stop")
+        s = stats(d.address)
+        ra = s["readahead"]
+        assert ra["peak_window_bytes"] <= budget
+        # What was read ahead: the batches handed out or being assembled, plus the window.
+        batch_bytes = 2 * (IMAGE + 512)  # records of at most 20 KB + label + tag (< 300 B)
+        handed = (3 + 1 + 1 + 1) * batch_bytes  # taken, in flight, assembled ahead, current
+        assert ra["advised_bytes"] <= handed + budget
+        total = (db / "data.mdb").stat().st_size
+        # Records take whole pages: up to 4 KiB more each than their bytes.
+        slack = (handed + budget) // (IMAGE // 4096)
+        assert resident_bytes(db) - opened <= handed + budget + slack < total // 2
+        # Nothing runs for a pass nobody reads: a second later the same bytes are advised.
+        wait_until(lambda: stats(d.address)["uptime_s"] > s["uptime_s"] + 1.0, what="a second")
+        again = stats(d.address)["readahead"]
+        assert again["advised_bytes"] == ra["advised_bytes"] and not again["busy"]
+        it.close()
+        ds.close()
+
+
+def test_jobs_of_different_batch_sizes_both_use_shared_memory(
+    served: Daemon, store: tuple[Path, list[dict[str, Any]]]
+) -> None:
+    small = LoaderdDataset(served.address, job="small", batch_size=2)
+    assert len(check_epoch(small, store[1])) == N  # the first job sizes the first ring
+    big = LoaderdDataset(served.address, job="big", batch_size=48)
+    assert len(check_epoch(big, store[1])) == N
+    s = big.stats()["shm"]
+    assert s["socket_fallbacks"] == 0 and s["delivered"] == N // 2 + N // 48
+    assert len(s["rings"]) == 2 and s["rings"][1]["slot_bytes"] >= 48 * IMAGE
+    small.close()
+    big.close()

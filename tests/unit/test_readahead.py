@@ -1,0 +1,125 @@
+"""The read path's parts on a real LMDB store: value index, read-ahead window, locked views."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaderd.planner import plan_pass
+from loaderd.readahead import ReadAhead
+from loaderd.storage.dram import DramCache
+from loaderd.storage.records import Field, RecordCodec, Schema
+from loaderd.storage.store import PIN_MIN_BYTES, SampleStore, StoreWriter
+from loaderd.storage.value_index import build_value_index
+from tests.helpers import wait_until
+
+N = 200
+SIZES = (3_000, 40_000)  # a value sharing pages, and one with pages of its own
+
+
+def make_store(path: Path, n: int = N, seed: int = 0) -> Path:
+    """Samples of two sizes, alternating, with a variable-length tag."""
+    schema = Schema((Field("blob", "binary"), Field("label", "int64")))
+    codec = RecordCodec(schema)
+    rng = np.random.default_rng(seed)
+    with StoreWriter(path, schema) as w:
+        w.append(codec.encode({"blob": rng.bytes(SIZES[i % 2] + i), "label": i}) for i in range(n))
+    return path
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_store(tmp_path_factory.mktemp("ra") / "s.db")
+
+
+def test_value_index_points_at_every_record(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        index = store.value_index
+        assert index is not None and len(index) == N
+        fd = os.open(store_path / "data.mdb", os.O_RDONLY)
+        try:
+            for sid in range(N):
+                rec = store.get(sid)
+                assert index.lengths[sid] == len(rec)
+                assert os.pread(fd, len(rec), int(index.offsets[sid])) == rec
+        finally:
+            os.close(fd)
+        assert index.nbytes(np.arange(N)) == store.total_bytes
+
+
+def test_value_index_of_a_damaged_file_is_none(tmp_path: Path) -> None:
+    bad = tmp_path / "data.mdb"
+    bad.write_bytes(b"\0" * 8192)
+    assert build_value_index(bad, b"samples", 10) is None
+    src = make_store(tmp_path / "s.db", n=20)
+    # A store claiming more samples than its tree holds has no index (ids would be missing).
+    assert build_value_index(src / "data.mdb", b"samples", 21) is None
+    assert build_value_index(src / "data.mdb", b"other", 20) is None
+
+
+def test_readahead_window_holds_its_budget_and_follows_the_pass(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        budget = 500_000  # two batches of 8 samples (~210 KB each)
+        plan = plan_pass(
+            np.arange(N), np.ones(N, np.float32), seed=0, epoch=0, phase="train",
+            world_size=1, batch_size=8,
+        )[0]  # fmt: skip
+        ra = ReadAhead(store, lambda ids: np.zeros(len(ids), bool), budget)
+        try:
+            ra.follow(("j", 0, 0, "train"), plan, 0)
+            wait_until(lambda: not ra.busy and ra.stats()["window_bytes"] > 0, what="a window")
+            first = ra.stats()
+            assert 0 < first["window_bytes"] <= budget and first["peak_window_bytes"] <= budget
+            # The pass does not move: nothing more is read, however long we look.
+            assert ra.stats()["advised_bytes"] == first["advised_bytes"]
+            ra.follow(("j", 0, 0, "train"), plan, 3)  # three batches handed out
+            wait_until(lambda: ra.stats()["advised_bytes"] > first["advised_bytes"], what="more")
+            wait_until(lambda: not ra.busy, what="idle")
+            s = ra.stats()
+            assert s["peak_window_bytes"] <= budget
+            handed = sum(store.value_index.nbytes(plan.batch(i)[0]) for i in range(3))  # type: ignore[union-attr]
+            assert s["advised_bytes"] <= handed + budget
+            ra.drop(lambda key: key[0] == "j")
+            assert ra.stats()["streams"] == 0 and ra.stats()["window_bytes"] == 0
+        finally:
+            ra.close()
+            ra.close()
+
+
+def test_cached_samples_are_not_read_ahead(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        plan = plan_pass(
+            np.arange(N), np.ones(N, np.float32), seed=0, epoch=0, phase="train",
+            world_size=1, batch_size=8,
+        )[0]  # fmt: skip
+        ra = ReadAhead(store, lambda ids: np.ones(len(ids), bool), 1 << 30)
+        try:
+            ra.follow("k", plan, 0)  # type: ignore[arg-type]
+            wait_until(lambda: not ra.busy and ra.stats()["streams"] == 1, what="a pass")
+            wait_until(lambda: ra.stats()["window_bytes"] >= store.total_bytes, what="the pass")
+            assert ra.stats()["advised_records"] == 0
+        finally:
+            ra.close()
+
+
+def test_dram_holds_large_store_records_as_locked_views(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        big, small = 1, 0  # odd ids are the large ones
+        with store.views([big, small]) as (vbig, vsmall):
+            assert vbig.nbytes >= PIN_MIN_BYTES > vsmall.nbytes
+            want = bytes(vbig), bytes(vsmall)
+            dram = DramCache(1 << 20, pin=store.pin)
+            assert dram.put(big, vbig) and dram.put(small, vsmall)
+        if not dram.pinned:
+            pytest.skip("mlock is not allowed here (RLIMIT_MEMLOCK)")
+        assert isinstance(dram.get(big), memoryview) and isinstance(dram.get(small), bytes)
+        assert (bytes(dram.get(big) or b""), dram.get(small)) == want  # after the read ended
+        assert store.locked_bytes >= len(want[0])
+        dram.discard(big)
+        assert store.locked_bytes == 0 and dram.pinned == 0
+        dram.put(big, store.views([big]).__enter__()[0])
+        dram.clear()
+        assert store.locked_bytes == 0 and len(dram) == 0
