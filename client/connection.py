@@ -2,6 +2,8 @@
 
 Several requests may be in flight at once (prefetch credits, feedback); replies carry the
 request id, so ``wait`` returns the one asked for and keeps the others until they are wanted.
+A WAITING note (the daemon parked the request, e.g. at a re-score barrier) is logged once per
+reason and restarts the wait: a parked request is slow, not lost.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from loaderd.client.address import check_address, unreachable_hint
 from loaderd.client.curve import ClientKeys
 from loaderd.client.errors import DaemonUnavailableError, ProtocolError, RemoteError
 from loaderd.client.protocol import (
@@ -23,6 +26,7 @@ from loaderd.client.protocol import (
     Buffer,
     Message,
     MsgType,
+    check_reply,
     decode,
     decode_error,
     encode,
@@ -42,12 +46,13 @@ class Connection:
 
     Raises:
         KeyFileError: a key file in ``curve_dir`` is missing or unreadable.
+        ValueError: ``address`` is not an endpoint loaderd serves (``loaderd.client.address``).
     """
 
     def __init__(
         self, address: str, timeout_s: float = 30.0, curve_dir: str | Path | None = None
     ) -> None:
-        self.address = address
+        self.address = check_address(address)
         self.timeout_s = timeout_s
         self.curve_dir = None if curve_dir is None else Path(curve_dir)
         self._keys = None if self.curve_dir is None else ClientKeys.load(self.curve_dir)
@@ -57,6 +62,7 @@ class Connection:
         self._ids = itertools.count(1)
         self._stash: dict[int, Message] = {}
         self._ignored: set[int] = set()
+        self._last_waiting = ""
 
     def _socket(self) -> zmq.Socket[bytes]:
         if self._pid != os.getpid():
@@ -104,9 +110,15 @@ class Connection:
                 self.reset()
                 raise DaemonUnavailableError(
                     f"no reply from loaderd at {self.address} within {timeout:g} s "
-                    "(is `loaderd serve` running there?)"
+                    f"({unreachable_hint(self.address, self._keys is not None)})"
                 )
             msg = decode(sock.recv_multipart(copy=False))
+            if msg.type == MsgType.WAITING:  # parked, not lost: say why and wait on
+                self._note_waiting(msg)
+                if msg.request_id == request_id:  # the next note comes within again_s
+                    again = 2 * float(msg.meta["again_s"])
+                    deadline = time.monotonic() + max(timeout, again)
+                continue
             if msg.request_id == request_id:
                 reply = msg
             elif msg.request_id in self._ignored:
@@ -116,6 +128,7 @@ class Connection:
                 self._stash[msg.request_id] = msg
         if reply.type == MsgType.ERROR:
             raise RemoteError(*decode_error(reply))
+        check_reply(reply)
         return reply
 
     def request(
@@ -141,16 +154,12 @@ class Connection:
         else:
             self._ignored.add(request_id)
 
-    def drain(self) -> None:
-        """Take every reply already waiting on the socket, without blocking."""
-        sock = self._socket()
-        while sock.poll(0):
-            msg = decode(sock.recv_multipart(copy=False))
-            if msg.request_id in self._ignored:
-                self._ignored.discard(msg.request_id)
-                self._log_if_error(msg)
-            else:
-                self._stash[msg.request_id] = msg
+    def _note_waiting(self, msg: Message) -> None:
+        check_reply(msg)
+        text = msg.meta["message"]
+        if text != self._last_waiting:  # once per reason, not every few seconds
+            self._last_waiting = text
+            logger.warning("loaderd at %s: %s", self.address, text)
 
     @staticmethod
     def _log_if_error(msg: Message) -> None:

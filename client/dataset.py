@@ -6,17 +6,20 @@ receive disjoint batches that together cover the rank's epoch exactly once. Batc
 ready-made (``batch_size`` of the DataLoader must be None).
 
 Each worker keeps ``prefetch`` requests in flight (its credit window: the daemon sends no more
-than that) and acknowledges each batch once the trainer has taken it, which is what lets an
-interrupted epoch resume where it stopped.
+than that). A batch counts as delivered once the training loop has received it: the loop's own
+process acknowledges it (client/loop_acks.py), which is what lets an interrupted epoch resume
+exactly where the loop stopped.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +27,17 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from loaderd.client.address import check_address, default_address
+from loaderd.client.columns import check_lists, to_torch
 from loaderd.client.connection import Connection
 from loaderd.client.errors import DaemonUnavailableError, RemoteError
 from loaderd.client.fastpath import ShmReceiver, check_device, on_device, to_shared_tensors
+from loaderd.client.loop_acks import BatchTag, TaggedBatch, TaggedValue, install
 from loaderd.client.protocol import (
     PROTOCOL_VERSION,
     BatchArrays,
     FieldSpec,
     MsgType,
-    VarColumn,
     decode_batch,
     feedback_frames,
 )
@@ -42,10 +47,13 @@ from loaderd.client.resume import (
     DeliveryStats,
     PassProgress,
     check_state,
+    merge_worker_states,
     recoverable,
 )
+from loaderd.client.slot_lifetime import hold_slot
 
 logger = logging.getLogger(__name__)
+install()  # the main process acknowledges what the training loop received
 
 _MAX_FEEDBACK_IN_FLIGHT = 64
 
@@ -61,14 +69,16 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
     """Batches of a loaderd job, streamed from the daemon at ``address``.
 
     Args:
-        address: the daemon's endpoint, e.g. ``ipc:///run/loaderd/loaderd.sock``.
+        address: the daemon's endpoint, e.g. ``ipc:///run/loaderd/loaderd.sock``; None takes
+            ``$LOADERD_SOCKET``, else the default of ``loaderd serve``.
         job: the job name; every rank and worker of one training run uses the same one.
         batch_size: samples per batch (batches are assembled by the daemon).
         rank: this trainer's rank; default from torch.distributed, RANK, else 0.
         world_size: the number of ranks; default from torch.distributed, WORLD_SIZE, else 1.
         seed: the job's seed; each epoch's plan is a function of (seed, epoch, importance).
-        sampler: ``uniform``, ``importance``, ``unbiased`` or ``infobatch``; None takes the
-            daemon's default.
+        sampler: ``uniform`` (every sample), ``learnable``, ``importance``, ``unbiased`` or
+            ``infobatch``; None takes the daemon's default (``uniform`` unless it was started
+            with ``--sampler``).
         prefetch: requests kept in flight per worker (the credit window).
         timeout_s: how long to wait for the daemon before raising DaemonUnavailableError.
         reconnect_s: how long to keep reconnecting when the daemon goes away in the middle of
@@ -85,19 +95,32 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             without being DataLoader workers; default: the DataLoader worker id, else 0.
             Consumers of one rank need distinct numbers: a consumer that opens a pass takes
             back the unacknowledged batches of its number.
-        **options: further importance options (``warmup_epochs``, ``keep_fraction``, ...).
+        transform: called on each batch (the dict) in the process that received it, a
+            DataLoader worker under ``num_workers`` > 0, before it is yielded: decoding and
+            augmentation scale with the workers. Its result is what the loader yields.
+        lists: how a variable-length list field is delivered: ``"offsets"`` (its values
+            and ``<name>.offsets``, no copy) or ``"padded"`` (``[B, longest, ...]`` and
+            ``<name>.lengths``); see ``loaderd.client.columns``.
+        drop_last: PyTorch's rule for remainders. Every rank gets the same number of batches
+            of exactly ``batch_size`` samples, except each rank's last of the epoch. False
+            (as ``DistributedSampler``): the epoch is padded with its first samples up to a
+            multiple of ``world_size`` and the last batch may be short. True: the epoch's
+            remainder over the ranks and each rank's short last batch are dropped.
+        **options: further importance options (``budget`` with ``epochs``, ``warmup_epochs``,
+            ``keep_fraction``, ...; see ``loaderd.importance.ImportanceConfig``).
 
     Each batch is a dict: ``id`` (int64 [B]), ``weight`` (float32 [B]), and one entry per
     stored field: a tensor ``[B, *shape]`` for fixed-shape fields, a list of ``bytes`` / ``str``
     for variable-length ones. Tensors view the received message's memory and are read-only in
-    spirit: clone one before writing to it in place. Through shared memory, a batch's tensors
-    are valid until the next batch is asked for (the daemon then reuses the slot): a trainer
-    that keeps them longer copies them on purpose (``loaderd.client.shm.copy_batch``).
+    spirit: clone one before writing to it in place. Through shared memory, a batch's slot goes
+    back to the daemon once all its tensors are dropped, or when this dataset's next pass
+    begins (``loaderd.client.shm.copy_batch`` makes an owned copy). The dict carries a delivery
+    tag the DataLoader's main process needs: use ``batch_size=None`` and no ``collate_fn``.
     """
 
     def __init__(
         self,
-        address: str,
+        address: str | None,
         job: str,
         batch_size: int,
         *,
@@ -113,11 +136,14 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         device: str | torch.device | None = None,
         buffers: int = 3,
         worker: int | None = None,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        lists: str = "offsets",
+        drop_last: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
         default_rank, default_world = default_rank_world()
-        self.address = address
+        self.address = check_address(default_address() if address is None else address)
         self.job = job
         self.batch_size = batch_size
         self.rank = default_rank if rank is None else rank
@@ -134,9 +160,14 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if worker is not None and worker < 0:
             raise ValueError(f"`worker` must be >= 0, got {worker}")
         self.worker = worker
-        self._conn = Connection(address, timeout_s, curve_dir)
+        self.transform = transform
+        self.lists = check_lists(lists)
+        if not isinstance(drop_last, bool):
+            raise ValueError(f"`drop_last` must be a bool, got {drop_last!r}")
+        self.drop_last = drop_last
+        self._conn = Connection(self.address, timeout_s, curve_dir)
         # Fast path (client/fastpath.py): shared memory for same-host daemons, device copies.
-        self._shm = ShmReceiver(shm and address.startswith("ipc://"))
+        self._shm = ShmReceiver(shm and self.address.startswith("ipc://"))
         self.device = check_device(device, buffers)
         self.buffers = buffers
         self._hello_pid = -1
@@ -149,12 +180,35 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._welcomed = False  # reached the daemon once (here or in a parent process)
         self._phase = "train"
         self.epoch: int | None = None  # the epoch of the last pass this process iterated
+        self._acks_in_main = False  # set for workers whose main process acknowledges
+        self._warned_worker_acks = False
 
     # --- iteration ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """This rank's share of the next epoch (or the rest of an interrupted one)."""
         return on_device(self._pass("train"), self.device, self.buffers)
+
+    def __len__(self) -> int:
+        """The number of batches this rank gets in its coming training pass.
+
+        What is left of an unfinished pass; for the next epoch, its full count when it trains
+        every sample (``uniform``, warm-up, annealing) or is already planned.
+
+        Raises:
+            TypeError: the next epoch's size is not known yet (a selecting sampler draws it
+                when the epoch is planned): frameworks then treat the length as unknown.
+        """
+        self._hello_retrying()
+        meta = {"job": self.job, "rank": self.rank, "phase": "train"}
+        reply = self._conn.request(MsgType.PASS_INFO, meta, expect=MsgType.PASS)
+        batches = reply.meta.get("batches")
+        if not isinstance(batches, int):
+            raise TypeError(
+                f"len() of job {self.job!r}: epoch {reply.meta.get('epoch')} selects its samples "
+                "when it is planned, so its number of batches is not known yet"
+            )
+        return batches
 
     def rescore(self) -> Iterator[dict[str, Any]]:
         """The samples to re-score before the next epoch (seed 002), for a forward-only pass.
@@ -167,73 +221,142 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
     def _pass(self, phase: str) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker = self.worker if self.worker is not None else info.id if info is not None else 0
+        # Who acknowledges: the loop's own process, just before it yields; in a DataLoader
+        # worker, the main process once the loop receives the batch (client/loop_acks.py).
+        acks_here = info is None or not self._acks_in_main
+        if acks_here and info is not None and not self._warned_worker_acks:
+            self._warned_worker_acks = True
+            warnings.warn(
+                "LoaderdDataset runs in a worker of a DataLoader iterator loaderd does not know: "
+                "batches count as delivered when the worker fetches them, so those prefetched "
+                "when the loop stops are not trained this epoch",
+                stacklevel=2,
+            )
         base = {"job": self.job, "rank": self.rank, "worker": worker, "phase": phase}
         # A pass interrupted in this process (or restored by load_state_dict) resumes.
-        progress = self._progress.setdefault(phase, PassProgress(phase))
+        progress = self._progress.get(phase) or PassProgress(phase)
+        if progress.over or not (acks_here or progress.restored):
+            # A worker does not resume what an earlier iterator of its own fetched: only the
+            # loop's process knows what was received, and the daemon what is complete.
+            progress = PassProgress(phase)
+        self._progress[phase] = progress
         try:
             self._hello()
             reply = self._conn.request(
                 MsgType.OPEN_PASS, {**base, **progress.resume_meta()}, expect=MsgType.PASS
             )
-            epoch = int(reply.meta["epoch"])
+            epoch, batches = int(reply.meta["epoch"]), int(reply.meta["batches"])
         except (DaemonUnavailableError, RemoteError) as e:
             # A daemon never reached is a configuration error: say so after timeout_s.
             if not recoverable(e) or self.reconnect_s <= 0 or not self._welcomed:
                 raise
-            epoch = self._reconnect(base, progress)
+            epoch, batches = self._reconnect(base, progress)
         progress.begin(epoch)
         self.epoch = epoch
         request = {**base, "epoch": epoch}
         self._phase = phase
-        seen = progress.seen  # survives reconnects: the dedup set of (epoch, batch index)
-        acks: list[int] = []
+        release: list[int] = []  # shared-memory slots this process no longer reads
+        freed: deque[int] = deque()  # filled as the trainer drops batches (slot_lifetime.py)
         in_flight: deque[int] = deque()
         ended = False
         try:
             while True:
                 try:
+                    while freed:
+                        release.append(freed.popleft())
                     while not ended and len(in_flight) < self.prefetch:
-                        rid = self._conn.send(MsgType.GET_BATCH, {**request, "acks": acks})
-                        in_flight.append(rid)
-                        acks = []
+                        meta = {**request, "acks": [], "release": release}
+                        in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))
+                        release = []
                     if not in_flight:
-                        ack = {**request, "acks": acks}
-                        self._conn.request(MsgType.ACK, ack, expect=MsgType.OK)
-                        acks = []
+                        # The pass is over for this consumer once its losses are recorded:
+                        # the daemon plans a re-scored epoch only after that (jobs.py).
+                        self.flush()
+                        meta = {**request, "acks": [], "release": release, "end": True}
+                        self._conn.request(MsgType.ACK, meta, expect=MsgType.OK)
+                        release = []
                         break
                     msg = self._conn.wait(in_flight.popleft())
+                    if msg.type == MsgType.END:
+                        ended = True
+                        continue
+                    index = int(msg.meta["index"])
+                    if index in progress.seen:  # at-least-once on the wire: drop duplicates
+                        self.delivery.duplicates += 1
+                        release.append(index)
+                        continue
+                    progress.seen.add(index)
+                    if self._shm.resolve(msg):  # through shared memory: frames view a slot
+                        msg.frames = hold_slot(msg.frames, functools.partial(freed.append, index))
+                        shared = True
+                    else:
+                        shared = False
+                    batch = TaggedBatch(self._to_torch(decode_batch(msg, self._schema)))
+                    if shared and info is not None:  # pickled by a feeder thread later: copy
+                        batch = TaggedBatch(to_shared_tensors(batch))
+                    del msg  # its frames would keep the slot
+                    if self.transform is not None:  # in the worker: decode scales with workers
+                        batch = self._transformed(batch, acks_here)
+                    if isinstance(batch, TaggedBatch | TaggedValue):
+                        batch.loaderd_tag = BatchTag(phase, epoch, index, worker, batches)
                 except (DaemonUnavailableError, RemoteError) as e:
                     if not recoverable(e) or self.reconnect_s <= 0:
                         raise
                     in_flight.clear()
-                    acks = []  # the resume below carries every delivered index
-                    ended = self._reconnect(base, progress) != epoch
+                    release = []  # reopening the pass takes every slot back
+                    ended = self._reconnect(base, progress)[0] != epoch
                     continue
-                if msg.type == MsgType.END:
-                    ended = True
-                    continue
-                index = int(msg.meta["index"])
-                if index in seen:  # delivery is at-least-once on the wire; drop duplicates
-                    self.delivery.duplicates += 1
-                    continue
-                seen.add(index)
-                shared = self._shm.resolve(msg)  # through shared memory: frames view a slot
-                batch = self._to_torch(decode_batch(msg, self._schema))
-                if shared and info is not None:  # pickled by a feeder thread after our ack
-                    batch = to_shared_tensors(batch)
-                acks.append(index)  # handed to the trainer: delivered, even if it stops here
+                if acks_here:  # acknowledged before the loop has it: a kill loses nothing
+                    progress.delivered.add(index)
+                    try:
+                        meta = {**request, "acks": [index], "loop": True}
+                        self._conn.request(MsgType.ACK, meta, expect=MsgType.OK)
+                    except (DaemonUnavailableError, RemoteError) as e:
+                        if not recoverable(e) or self.reconnect_s <= 0:
+                            raise
+                        in_flight.clear()
+                        release = []
+                        ended = self._reconnect(base, progress)[0] != epoch  # resume has it
+                    self._delivered(progress, batches)
                 yield batch
-            self._progress.pop(phase, None)  # the pass is over: the next one starts afresh
-            self.flush()
+            if acks_here:
+                if self._progress.get(phase) is progress:  # the pass is over: start afresh
+                    self._progress.pop(phase)
+            else:
+                progress.over = True  # its state_dict still says what this worker handed on
         finally:
             self._phase = "train"
-            if acks:  # left early: what the trainer took is delivered; the rest goes back
-                self._conn.ignore(self._conn.send(MsgType.ACK, {**request, "acks": acks}))
             for rid in in_flight:
                 self._conn.ignore(rid)
 
-    def _reconnect(self, base: dict[str, Any], progress: PassProgress) -> int:
-        """Open a fresh socket, say HELLO and resume the pass; returns the daemon's epoch.
+    def _transformed(self, batch: TaggedBatch, acks_here: bool) -> Any:
+        """``transform(batch)``, in a form that carries the batch's tag to the loop's process.
+
+        A dict result becomes a ``TaggedBatch``; anything else (``(x, y)``) travels from a
+        DataLoader worker as a ``TaggedValue`` that the loop's process unwraps.
+        """
+        assert self.transform is not None
+        out = self.transform(batch)
+        if isinstance(out, dict):
+            return out if isinstance(out, TaggedBatch) else TaggedBatch(out)
+        return out if acks_here else TaggedValue(out)
+
+    def _delivered(self, progress: PassProgress, batches: int) -> None:
+        """After each batch the loop received: once it has all, the next pass is the next one.
+
+        A framework that knows ``len(ds)`` stops without exhausting the iterator, so the end
+        of the pass is the last batch received, not the daemon's END. A checkpoint taken now
+        says "the next epoch, nothing received yet".
+        """
+        if len(progress.delivered) < batches or self._progress.get(progress.phase) is not progress:
+            return
+        if progress.phase == "train":
+            self._progress["train"] = PassProgress("train", (progress.epoch or 0) + 1)
+        else:
+            self._progress.pop(progress.phase)
+
+    def _reconnect(self, base: dict[str, Any], progress: PassProgress) -> tuple[int, int]:
+        """Open a fresh socket, say HELLO and resume the pass: the daemon's (epoch, batches).
 
         Raises:
             DaemonUnavailableError: the daemon did not come back within ``reconnect_s``.
@@ -251,25 +374,126 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     raise
                 continue
             self.delivery.reconnects += 1
-            return int(reply.meta["epoch"])
+            return int(reply.meta["epoch"]), int(reply.meta["batches"])
+
+    # --- the loop's process, when DataLoader workers fetch (client/loop_acks.py) ---------------
+
+    def _before_workers(self, worker_states: list[Any]) -> None:
+        """A multi-process DataLoader iterator is about to start workers over this dataset.
+
+        ``worker_states`` are the workers' ``state_dict``s a ``StatefulDataLoader`` resumes
+        from: together they hold what the loop had received.
+        """
+        self._acks_in_main = True
+        states = [check_state(w) for w in worker_states if w is not None]
+        if states:
+            self._restore(merge_worker_states(states, self.job, self.rank))
+        progress = self._progress.get("train")
+        if progress is not None and progress.rewind:
+            # Rewind the rank's cursor to the checkpoint once, here, not in every worker.
+            self._hello_retrying()
+            meta = {"job": self.job, "rank": self.rank, "worker": self.worker or 0}
+            reply = self._conn.request(
+                MsgType.OPEN_PASS,
+                {**meta, "phase": "train", **progress.resume_meta()},
+                expect=MsgType.PASS,
+            )
+            progress.begin(int(reply.meta["epoch"]))
+
+    def _workers_started(self) -> None:
+        self._acks_in_main = False  # the workers have their copy; this object iterates itself
+
+    def _loop_received(self, batch: Any) -> bool:
+        """The loop is about to receive ``batch``: acknowledge it; False drops a duplicate.
+
+        Raises:
+            RuntimeError: the batch lost its tag (a ``collate_fn`` rebuilt it).
+        """
+        tag = getattr(batch, "loaderd_tag", None)
+        if not isinstance(tag, BatchTag):
+            raise RuntimeError(
+                "a DataLoader over LoaderdDataset returned a batch without its delivery tag, so "
+                "it cannot be acknowledged: use batch_size=None and no collate_fn (batches "
+                "arrive ready-made)"
+            )
+        progress = self._progress.setdefault(tag.phase, PassProgress(tag.phase))
+        if progress.epoch is not None and tag.epoch < progress.epoch:
+            self.delivery.duplicates += 1  # of a pass the loop has whole already
+            return False
+        if progress.epoch != tag.epoch:
+            progress.begin(tag.epoch)
+        if tag.index in progress.delivered:
+            self.delivery.duplicates += 1
+            return False
+        progress.delivered.add(tag.index)
+        progress.seen.add(tag.index)
+        self._delivered(progress, tag.batches)
+        self.epoch = tag.epoch
+        meta = {
+            "job": self.job,
+            "rank": self.rank,
+            "worker": tag.worker,
+            "epoch": tag.epoch,
+            "phase": tag.phase,
+            "acks": [tag.index],
+            "loop": True,
+        }
+        self._request_retrying(MsgType.ACK, meta)
+        return True
+
+    def _loop_pass_ended(self) -> None:
+        """Every worker finished its pass and the loop received all they sent."""
+        progress = self._progress.get("train")
+        if progress is not None and progress.delivered and not progress.rewind:
+            self._progress.pop("train")  # not whole (else _delivered moved on): start afresh
+        self.flush()
+
+    def _request_retrying(self, type_: MsgType, meta: dict[str, Any]) -> None:
+        """A request answered OK, retried while the daemon restarts (up to ``reconnect_s``)."""
+        deadline: Deadline | None = None
+        while True:
+            try:
+                self._hello()
+                self._conn.request(type_, meta, expect=MsgType.OK)
+                return
+            except (DaemonUnavailableError, RemoteError) as e:
+                if not recoverable(e) or self.reconnect_s <= 0 or not self._welcomed:
+                    raise
+                deadline = deadline or Deadline(self.reconnect_s)
+                if deadline.passed():
+                    raise
+                if isinstance(e, DaemonUnavailableError):
+                    self._hello_pid = -1  # a fresh socket and HELLO on the next try
+                    self._conn.reset()
+                else:
+                    time.sleep(0.05)  # the workers are reopening the pass
 
     def state_dict(self) -> dict[str, Any]:
-        """This process's position in its passes, for a trainer's checkpoint.
+        """The position of the training loop in its passes, for a trainer's checkpoint.
 
-        Use it when the dataset is iterated in the training process (``num_workers=0``):
-        ``load_state_dict`` then resumes the pass exactly there, even if the daemon moved on
-        or lost its state since.
+        Call it in the training process, with or without DataLoader workers: it holds what
+        the loop has received. ``load_state_dict`` then resumes the pass exactly there, in a
+        new process, even if the daemon moved on or lost its state since.
+
+        Inside a DataLoader worker (a ``StatefulDataLoader`` asks there) it is that worker's
+        part, marked as such: what it handed on to the loop.
         """
-        return {
+        in_worker = get_worker_info() is not None and self._acks_in_main
+        state: dict[str, Any] = {
             "version": STATE_VERSION,
             "job": self.job,
             "rank": self.rank,
             "progress": {
-                phase: {"epoch": p.epoch, "delivered": sorted(p.seen)}
+                # A worker's part: what it handed on (the loop received it by the time a
+                # StatefulDataLoader keeps this state with the worker's batch).
+                phase: {"epoch": p.epoch, "delivered": sorted(p.seen if in_worker else p.delivered)}
                 for phase, p in self._progress.items()
                 if p.epoch is not None
             },
         }
+        if in_worker:
+            state["scope"] = "worker"
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a ``state_dict``: the next pass resumes the saved one.
@@ -278,34 +502,40 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             ValueError: the state is not one of this job and rank.
         """
         state = check_state(state)
+        if get_worker_info() is not None and self._acks_in_main:
+            # A StatefulDataLoader's worker: the main process rewound the rank already.
+            self._restore(state, rewind=False)
+            return
+        if state.get("scope") == "worker":
+            raise ValueError(
+                "this LoaderdDataset state is one DataLoader worker's part: restore the "
+                "StatefulDataLoader's state, or ds.state_dict() taken in the training process"
+            )
+        self._restore(state)
+
+    def _restore(self, state: dict[str, Any], rewind: bool = True) -> None:
         if (state.get("job"), state.get("rank")) != (self.job, self.rank):
             raise ValueError(
                 f"state of job {state.get('job')!r} rank {state.get('rank')!r} does not fit "
                 f"job {self.job!r} rank {self.rank}"
             )
         self._progress = {
-            phase: PassProgress(phase, int(p["epoch"]), {int(i) for i in p["delivered"]}, True)
+            phase: PassProgress(
+                phase, int(p["epoch"]), {int(i) for i in p["delivered"]}, rewind, restored=True
+            )
             for phase, p in state["progress"].items()
         }
 
     def _to_torch(self, arrays: BatchArrays) -> dict[str, Any]:
-        with warnings.catch_warnings():
-            # The arrays view the received frames, which numpy marks read-only.
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            batch: dict[str, Any] = {
-                "id": torch.from_numpy(arrays.ids),
-                "weight": torch.from_numpy(arrays.weights),
-            }
-            for spec in self._schema:
-                col = arrays.columns[spec.name]
-                if isinstance(col, VarColumn):
-                    items = [bytes(col.item(i)) for i in range(len(col))]
-                    batch[spec.name] = (
-                        [b.decode() for b in items] if spec.dtype == "string" else items
-                    )
-                else:
-                    batch[spec.name] = torch.from_numpy(col)
-        return batch
+        return to_torch(arrays, self._schema, self.lists)
+
+    @property
+    def fields(self) -> dict[str, FieldSpec]:
+        """The store's fields by name, known once the daemon was reached (``connect()``).
+
+        Each has its kind, dtype and shape; ``info`` holds e.g. a dictionary's values.
+        """
+        return {f.name: f for f in self._schema}
 
     # --- feedback -----------------------------------------------------------------------------
 
@@ -401,6 +631,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             "world_size": self.world_size,
             "seed": self.seed,
             "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
             "options": self.options,
             "version": PROTOCOL_VERSION,
             "pid": os.getpid(),

@@ -19,6 +19,7 @@ class ErrorCode(IntEnum):
     NOT_FOUND = 9  # e.g. no snapshot stored yet
     STORAGE = 10  # a tier or the store failed (full disk, I/O error)
     UNKNOWN_PASS = 11  # a request for a pass the daemon does not have (it restarted): reopen it
+    UNAUTHORIZED = 12  # a TCP client whose key was removed from authorized/ since it connected
     INTERNAL = 15  # a bug in the daemon; it logged the traceback and kept serving
 
 

@@ -22,8 +22,8 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any
+from enum import IntEnum, StrEnum
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,10 +45,14 @@ class MsgType(IntEnum):
 
     PING = 1  # {} -> PONG
     PONG = 2  # {"version", "pid", "uptime_s"}
-    HELLO = 3  # {"job", "rank", "world_size", "seed", "batch_size", "options"} -> WELCOME
+    HELLO = 3  # {"job", "rank", "world_size", "seed", "batch_size", "options", "version",
+    #             "drop_last"?} -> WELCOME
     WELCOME = 4  # {"schema", "num_samples", "job"}
     OPEN_PASS = 5  # {"job", "rank", "worker", "phase"} -> PASS
     PASS = 6  # {"epoch", "phase", "batches"}
+    # GET_BATCH and ACK may carry "release": [index] (shared-memory slots no longer read);
+    # an ACK "loop": true (from the training loop's process: what it received), "end": true
+    # (the pass is over for this consumer, its feedback recorded).
     GET_BATCH = 7  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> BATCH | END
     BATCH = 8  # {"epoch", "phase", "index", "n", "fields"}; payload frames (module doc)
     END = 9  # {"epoch", "phase"}: this pass has no batch left to hand out
@@ -61,10 +65,32 @@ class MsgType(IntEnum):
     SNAPSHOT_PUT = 16  # {"job", "step"}; one frame: the serialised state -> OK
     SNAPSHOT_GET = 17  # {"job"} -> SNAPSHOT | ERROR NOT_FOUND
     SNAPSHOT = 18  # {"job", "step", "bytes"}; one frame: the newest whole snapshot
+    PASS_INFO = 19  # {"job", "rank", "phase"} -> PASS {"epoch", "batches": int | None}
+    JOB_RESET = 20  # {"job", "force"?: bool} -> OK {"job", "removed"} | ERROR NOT_FOUND
+    WAITING = 21  # {"message", "again_s"}: parked (a re-score barrier); the reply follows
 
 
-PHASES = ("train", "rescore")
-FEEDBACK_KINDS = ("train", "rescore")
+class Phase(StrEnum):
+    """The two kinds of pass, and of feedback: a training pass, or a forward-only re-score.
+
+    A ``str`` subclass, so it travels in JSON meta as ``"train"`` / ``"rescore"``.
+    """
+
+    TRAIN = "train"
+    RESCORE = "rescore"
+
+
+class BatchKey(NamedTuple):
+    """One batch of one pass of one rank: the daemon's key for assembling and delivering it."""
+
+    job: str
+    rank: int
+    epoch: int
+    phase: str
+    batch_index: int
+
+
+_PHASE_FIELDS = ("phase", "kind")  # meta keys whose value must be a Phase
 
 # Required meta keys per request type, with the JSON type each must have. A request that lacks
 # one, or has it with another type, is refused with BAD_ARGUMENT naming the key.
@@ -101,7 +127,13 @@ REQUEST_FIELDS: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.STATS: {},
     MsgType.SNAPSHOT_PUT: {"job": _STR, "step": _INT},
     MsgType.SNAPSHOT_GET: {"job": _STR},
+    MsgType.PASS_INFO: {"job": _STR, "rank": _INT, "phase": _STR},
+    MsgType.JOB_RESET: {"job": _STR},
 }
+
+
+class VersionError(ProtocolError):
+    """The peer speaks another protocol version (the daemon answers BAD_VERSION)."""
 
 
 @dataclass(slots=True)
@@ -126,15 +158,24 @@ class FieldSpec:
     name: str
     dtype: str
     shape: tuple[int, ...] = ()
+    # What the bytes mean (``storage.records.Kind``): "" plain, "list" (variable-length
+    # numbers: ``dtype``/``shape`` are one element's), "valid", "time", "dictionary".
+    kind: str = ""
+    info: dict[str, Any] = field(default_factory=dict, compare=False)  # e.g. the dictionary
 
     @property
     def variable(self) -> bool:
         """Whether the field has a length of its own per sample."""
-        return self.dtype in ("binary", "string")
+        return self.dtype in ("binary", "string") or self.kind == "list"
 
     def to_json(self) -> dict[str, Any]:
-        """The field as a JSON-ready object."""
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        """The field as a JSON-ready object (``kind`` and ``info`` only when set)."""
+        out: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.kind:
+            out["kind"] = self.kind
+        if self.info:
+            out["info"] = self.info
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> FieldSpec:
@@ -154,7 +195,10 @@ class FieldSpec:
                 raise ProtocolError(f"field {name!r} has unknown dtype {dtype!r}") from e
             if kind not in "biuf":
                 raise ProtocolError(f"field {name!r} has a non-numeric dtype {dtype!r}")
-        return cls(name=name, dtype=dtype, shape=tuple(shape))
+        kind, info = obj.get("kind", ""), obj.get("info", {})
+        if not isinstance(kind, str) or not isinstance(info, dict):
+            raise ProtocolError(f"malformed field spec {obj!r}: bad kind or info")
+        return cls(name=name, dtype=dtype, shape=tuple(shape), kind=kind, info=info)
 
 
 @dataclass(slots=True)
@@ -237,7 +281,10 @@ def decode(frames: Sequence[Any]) -> Message:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"expected protocol {PROTOCOL_VERSION}, peer sent {version}")
+        raise VersionError(
+            f"this side speaks loaderd protocol {PROTOCOL_VERSION}, the peer {version}: "
+            "run the same loaderd version on the daemon and the trainers"
+        )
     try:
         msg_type = MsgType(type_)
     except ValueError:
@@ -275,6 +322,44 @@ def check_request(msg: Message) -> None:
         if value is None or isinstance(value, bool) or not isinstance(value, types):
             want = "/".join(t.__name__ for t in types)
             raise ProtocolError(f"{msg.type.name}: field {key!r} must be {want}, got {value!r}")
+        if key in _PHASE_FIELDS and value not in Phase.__members__.values():
+            raise ProtocolError(
+                f"{msg.type.name}: field {key!r} must be one of "
+                f"{', '.join(p.value for p in Phase)}, got {value!r}"
+            )
+
+
+# Meta keys every reply of a type carries, checked by the client before it reads them: a
+# daemon of another build that answers differently fails here, naming the key, not later
+# with a KeyError deep in the dataset.
+REPLY_FIELDS: dict[MsgType, dict[str, tuple[type, ...]]] = {
+    MsgType.PONG: {"version": _INT, "pid": _INT},
+    MsgType.WELCOME: {"schema": (list,), "num_samples": _INT, "job": (dict,)},
+    # PASS_INFO's PASS may not know the coming pass's length yet: "batches" is then null.
+    MsgType.PASS: {"epoch": _INT, "phase": _STR, "batches": (int, type(None))},
+    MsgType.BATCH: {"epoch": _INT, "phase": _STR, "index": _INT, "n": _INT},
+    MsgType.END: {"epoch": _INT, "phase": _STR},
+    MsgType.SNAPSHOT: {"job": _STR, "step": _INT},
+    MsgType.ERROR: {"code": _INT, "message": _STR},
+    MsgType.WAITING: {"message": _STR, "again_s": (int, float)},
+}
+
+
+def check_reply(msg: Message) -> None:
+    """Check that a reply carries the meta keys its type promises (``REPLY_FIELDS``).
+
+    Raises:
+        ProtocolError: a key is missing or has another JSON type.
+    """
+    for key, types in REPLY_FIELDS.get(msg.type, {}).items():
+        value = msg.meta.get(key)
+        if value is None and type(None) in types and key in msg.meta:
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, types):
+            want = "/".join(t.__name__ for t in types)
+            raise ProtocolError(
+                f"{msg.type.name} reply: field {key!r} must be {want}, got {value!r}"
+            )
 
 
 def check_int_list(name: str, value: Any, limit: int) -> list[int]:

@@ -83,6 +83,15 @@ class Consumers:
         while len(self._pids) > _MAX_PEERS:
             self._pids.popitem(last=False)
 
+    def alive(self, identity: bytes) -> bool | None:
+        """Whether the process behind ``identity`` runs; None when its pid cannot be checked.
+
+        The one liveness judge of the daemon (shared-memory slots ask it too): a pid counts
+        only when the client is local and in this pid namespace.
+        """
+        pid = self._pids.get(identity)
+        return None if pid is None else pid_alive(pid)
+
     def seen(self, key: ConsumerKey, identity: bytes) -> None:
         """The consumer sent a request just now."""
         self._seen[key] = _Seen(time.monotonic(), identity)
@@ -90,6 +99,14 @@ class Consumers:
     def restored(self, key: ConsumerKey) -> None:
         """A consumer known from saved state: it has ``timeout_s`` from now to come back."""
         self._seen.setdefault(key, _Seen(time.monotonic(), b""))
+
+    def active_since(self, t: float) -> set[bytes]:
+        """Identities of the consumers that sent a request at ``time.monotonic()`` >= t."""
+        return {s.identity for s in self._seen.values() if s.at >= t and s.identity}
+
+    def of_job(self, job: str) -> list[ConsumerKey]:
+        """The consumers of a job heard from and not (yet) found gone."""
+        return [k for k in self._seen if k[0] == job]
 
     def forget_job(self, job: str) -> None:
         """Drop every consumer of a job."""

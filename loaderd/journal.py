@@ -21,6 +21,9 @@ import numpy as np
 import xxhash
 
 from loaderd import crashpoints
+from loaderd.storage.errors import StorageError
+from loaderd.storage.safe_files import open_private
+from loaderd.storage.safe_files import write_atomic as safe_write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +43,30 @@ class FeedbackEntry:
     losses: np.ndarray
 
 
+class JournalWriteError(StorageError):
+    """A feedback entry could not be made durable (a full disk, an I/O error)."""
+
+
 class FeedbackJournal:
-    """Append-only file of feedback entries. Not thread-safe: the server loop owns it."""
+    """Append-only file of feedback entries. Not thread-safe: the server loop owns it.
+
+    Each entry is written straight to the file (no user-space buffer), so a full disk is
+    reported by the append that meets it, and the file is cut back to the end of the last
+    whole entry: a torn entry never stays in the middle, where it would hide every later
+    (acknowledged) entry from the replay.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "ab")  # noqa: SIM115  # held open for the daemon's lifetime
-        self._dirty = False
+        self._fd = open_private(path, "feedback journal", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self._end = self._synced = os.fstat(self._fd).st_size
 
     def append(self, epoch: int, kind: str, ids: np.ndarray, losses: np.ndarray) -> None:
-        """Append one entry (buffered; ``sync`` makes it durable)."""
+        """Append one entry (``sync`` makes it durable).
+
+        Raises:
+            JournalWriteError: the write failed; the journal is as it was before.
+        """
         payload = (
             np.ascontiguousarray(ids, np.int64).tobytes()
             + np.ascontiguousarray(losses, np.float32).tobytes()
@@ -57,32 +74,58 @@ class FeedbackJournal:
         head = _ENTRY.pack(
             _MAGIC, epoch, _KINDS.index(kind), len(ids), xxhash.xxh3_64_intdigest(payload)
         )
-        self._file.write(head + payload)
-        self._dirty = True
+        entry = memoryview(head + payload)
+        try:
+            while entry:
+                entry = entry[os.write(self._fd, entry) :]
+        except OSError as e:
+            self._cut(self._end)
+            raise JournalWriteError(f"cannot journal feedback in {self.path}: {e}") from e
+        self._end += len(head) + len(payload)
 
     def sync(self) -> None:
-        """Flush and fsync what was appended since the last sync."""
-        if self._dirty:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._dirty = False
+        """Make what was appended since the last sync durable.
+
+        Raises:
+            JournalWriteError: the fsync failed; the entries since the last sync are cut
+                off (none of them was acknowledged).
+        """
+        if self._end == self._synced:
+            return
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            self._cut(self._synced)
+            raise JournalWriteError(f"cannot sync feedback journal {self.path}: {e}") from e
+        self._synced = self._end
+
+    def _cut(self, end: int) -> None:
+        try:
+            os.ftruncate(self._fd, end)
+        except OSError:
+            logger.exception("%s: cannot cut back to %d bytes", self.path, end)
+            raise
+        self._end = end
 
     def reset(self) -> None:
         """Empty the journal (after the state it holds was snapshotted)."""
-        self._file.truncate(0)
-        self._file.seek(0)
-        self.sync()
+        os.ftruncate(self._fd, 0)
+        os.fsync(self._fd)
+        self._end = self._synced = 0
 
     @property
     def closed(self) -> bool:
         """Whether ``close`` was called."""
-        return self._file.closed
+        return self._fd < 0
 
     def close(self) -> None:
         """Sync and close (safe to call twice)."""
-        if not self._file.closed:
-            self.sync()
-            self._file.close()
+        if self._fd >= 0:
+            try:
+                self.sync()
+            finally:
+                os.close(self._fd)
+                self._fd = -1
 
     @staticmethod
     def replay(path: Path) -> Iterator[FeedbackEntry]:
@@ -107,6 +150,11 @@ class FeedbackJournal:
             logger.warning(
                 "%s: cut %d bytes of torn feedback at offset %d", path, len(data) - pos, pos
             )
+            if data.find(_MAGIC, pos + 1) >= 0:
+                # Damage in the middle, not a torn tail: keep what follows for the user.
+                aside = path.with_name(f"{path.name}.damaged-at-{pos}")
+                safe_write_atomic(aside, data[pos:])
+                logger.warning("%s: the entries after offset %d were kept in %s", path, pos, aside)
             with open(path, "r+b") as f:
                 f.truncate(pos)
 
@@ -114,24 +162,9 @@ class FeedbackJournal:
 def write_atomic(path: Path, data: bytes, sync: bool = True) -> None:
     """Replace ``path`` with ``data`` so a crash leaves the old or the new file, never a mix.
 
-    ``sync=False`` skips the fsyncs: the replacement then survives a crash of this process
-    (the page cache keeps it) but not a crash of the machine.
+    ``safe_files.write_atomic`` with the ``replace`` crash point between write and rename.
     """
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    crashpoints.hit("replace")
-    os.replace(tmp, path)
-    if not sync:
-        return
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    safe_write_atomic(path, data, sync, before_replace=lambda: crashpoints.hit("replace"))
 
 
 def write_json_atomic(path: Path, obj: Any, sync: bool = True) -> None:

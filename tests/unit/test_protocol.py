@@ -20,9 +20,12 @@ from loaderd.client.protocol import (
     FieldSpec,
     Message,
     MsgType,
+    Phase,
     VarColumn,
+    VersionError,
     batch_frames,
     check_int_list,
+    check_reply,
     check_request,
     decode,
     decode_batch,
@@ -60,6 +63,8 @@ VALID_META: dict[MsgType, dict[str, Any]] = {
     MsgType.STATS: {},
     MsgType.SNAPSHOT_PUT: {"job": "j", "step": 100},
     MsgType.SNAPSHOT_GET: {"job": "j"},
+    MsgType.PASS_INFO: {"job": "j", "rank": 0, "phase": "train"},
+    MsgType.JOB_RESET: {"job": "j"},
 }
 
 
@@ -555,3 +560,29 @@ def test_field_spec_from_json_refuses_bad_shapes(shape: Any) -> None:
 def test_field_spec_from_json_refuses_object_dtype() -> None:
     with pytest.raises(ProtocolError):
         FieldSpec.from_json({"name": "a", "dtype": "object", "shape": []})
+
+
+def test_phase_fields_must_name_a_phase() -> None:
+    meta = dict(VALID_META[MsgType.OPEN_PASS], phase="eval")
+    with pytest.raises(ProtocolError, match="field 'phase' must be one of train, rescore"):
+        check_request(Message(MsgType.OPEN_PASS, 1, meta))
+    meta = dict(VALID_META[MsgType.FEEDBACK], kind="test")
+    with pytest.raises(ProtocolError, match="field 'kind' must be one of train, rescore"):
+        check_request(Message(MsgType.FEEDBACK, 1, meta))
+    assert json.loads(encode(Message(MsgType.PASS, 1, {"phase": Phase.RESCORE}))[1]) == {
+        "phase": "rescore"
+    }
+
+
+def test_replies_are_checked_before_the_client_reads_them() -> None:
+    check_reply(Message(MsgType.PASS, 1, {"epoch": 2, "phase": "train", "batches": 3}))
+    check_reply(Message(MsgType.OK, 1, {}))  # no promised keys
+    with pytest.raises(ProtocolError, match="PASS reply: field 'epoch' must be int"):
+        check_reply(Message(MsgType.PASS, 1, {"phase": "train", "batches": 3}))
+    with pytest.raises(ProtocolError, match="WELCOME reply: field 'num_samples'"):
+        check_reply(Message(MsgType.WELCOME, 1, {"schema": [], "num_samples": "9", "job": {}}))
+
+
+def test_a_wrong_version_is_a_version_error() -> None:
+    with pytest.raises(VersionError, match="run the same loaderd version"):
+        decode([header(version=PROTOCOL_VERSION + 1), b"{}"])

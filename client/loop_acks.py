@@ -1,0 +1,140 @@
+"""Acknowledge a batch when the training loop receives it, also through DataLoader workers.
+
+A batch counts as delivered once the training loop has it, not once some process fetched it.
+Without workers the dataset's own generator runs in the loop's process and acknowledges each
+batch just before it yields it. With ``DataLoader(num_workers=k)`` the generator runs in a
+worker, and a batch it yields may sit in the DataLoader's queues (prefetched, or kept out of
+order) and never reach the loop when it stops early; only the main process knows what the
+loop took. So workers do not acknowledge: each batch carries a tag (its phase, epoch, batch
+index and worker), and the main process acknowledges it through its own connection when the
+DataLoader iterator hands it to the loop. What a worker fetched and the loop never took stays
+with that worker at the daemon and goes back to the rank's queue when the worker opens its
+next pass or dies.
+
+PyTorch offers no hook for "the loop received this batch", so the one method that returns it,
+``_MultiProcessingDataLoaderIter._next_data``, is wrapped (once, at import; the same for
+torchdata's ``StatefulDataLoader``). The wrappers do nothing for datasets that are not
+loaderd's.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import dataloader
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTag:
+    """Which batch of which pass a worker fetched."""
+
+    phase: str
+    epoch: int
+    index: int
+    worker: int
+    batches: int  # in the rank's pass
+
+
+class TaggedBatch(dict[str, Any]):
+    """A batch dict carrying its ``BatchTag`` (kept by ``copy.copy`` and pickling)."""
+
+    loaderd_tag: BatchTag | None = None
+
+
+class TaggedValue:
+    """What a ``transform`` made of a batch, when not a dict (e.g. ``(x, y)``), with its tag.
+
+    It crosses from the worker to the loop's process, which acknowledges the tag and hands
+    the loop ``value`` alone.
+    """
+
+    __slots__ = ("loaderd_tag", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.loaderd_tag: BatchTag | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_tagged_value, (self.value, self.loaderd_tag))
+
+
+def _tagged_value(value: Any, tag: BatchTag | None) -> TaggedValue:
+    out = TaggedValue(value)
+    out.loaderd_tag = tag
+    return out
+
+
+def _dataset(it: Any) -> Any:
+    """The iterator's dataset if it is one whose loop's process acknowledges, else None."""
+    ds = getattr(it, "_dataset", None)
+    return ds if hasattr(ds, "_loop_received") else None
+
+
+def install() -> None:
+    """Wrap the multi-process DataLoader iterators once (idempotent).
+
+    PyTorch's, and torchdata's ``StatefulDataLoader`` one when torchdata is installed: its
+    checkpoint holds each worker's dataset state as of the worker's last batch the loop
+    received, so the union of those states is exactly what the loop received, and the main
+    process rewinds the rank to it once before the workers start.
+    """
+    _wrap(dataloader._MultiProcessingDataLoaderIter, lambda args, kwargs: [])
+    if importlib.util.find_spec("torchdata") is None:
+        return
+    try:
+        sdl: Any = importlib.import_module("torchdata.stateful_dataloader.stateful_dataloader")
+    except ImportError:  # an old torchdata without the stateful loader
+        return
+    it_cls: Any = sdl._StatefulMultiProcessingDataLoaderIter
+
+    def worker_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        state = args[0] if args else kwargs.get("next_iter_state")
+        if not isinstance(state, dict):
+            return []
+        workers = state.get(it_cls._SNAPSHOT, {}).get(it_cls._WORKER_SNAPSHOTS, {})
+        return [w.get(sdl._DATASET_STATE) for w in workers.values() if isinstance(w, dict)]
+
+    _wrap(it_cls, worker_states)
+
+
+def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]) -> None:
+    if cls.__dict__.get("_loaderd_wrapped", False):
+        return
+    init: Callable[..., None] = cls.__init__
+    next_data: Callable[[Any], Any] = cls._next_data
+
+    @functools.wraps(init)
+    def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+        ds = loader.dataset
+        if hasattr(ds, "_before_workers"):
+            # Before the workers are forked or pickled: they see the flag, and a rewind to a
+            # checkpoint happens once, here, not in each worker.
+            ds._before_workers(resume_states(args, kwargs))
+        try:
+            init(self, loader, *args, **kwargs)
+        finally:
+            if hasattr(ds, "_workers_started"):
+                ds._workers_started()
+
+    @functools.wraps(next_data)
+    def _next_data(self: Any) -> Any:
+        ds = _dataset(self)
+        while True:
+            try:
+                data = next_data(self)
+            except StopIteration:
+                if ds is not None:
+                    ds._loop_pass_ended()
+                raise
+            if ds is None or ds._loop_received(data):
+                return data.value if isinstance(data, TaggedValue) else data
+            # a duplicate (a batch requeued after a daemon restart and sent again): drop it
+
+    cls.__init__ = __init__
+    cls._next_data = _next_data
+    cls._loaderd_wrapped = True
