@@ -3,7 +3,10 @@
 A trainer sends its state (``torch.save`` bytes) and gets OK as soon as the daemon holds it; a
 thread writes it into the arena's snapshot region (two alternating slots, so a reader always
 finds the previous or the new snapshot whole). Only the newest queued snapshot of a job is
-written: an older one still waiting is superseded. Without an arena (no ``--nvram-dir``) the
+written: an older one still waiting is superseded. The region's two slots are shared by every
+job: a job whose next write would overwrite another job's snapshot has its snapshots written
+to a per-job file in the state directory instead (``snapshot_files``), so no job's snapshot is
+ever evicted by another's. Without an arena (no ``--nvram-dir``) the
 daemon refuses snapshots with an error that says so, rather than keep them in a file the user
 did not ask for.
 """
@@ -12,11 +15,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from loaderd.client.errors import ErrorCode
 from loaderd.client.protocol import Message, MsgType, snapshot_payload
 from loaderd.jobs import JobError
+from loaderd.snapshot_files import SnapshotFiles
 from loaderd.storage.arena import Arena
 
 logger = logging.getLogger(__name__)
@@ -27,10 +32,13 @@ class Snapshots:
 
     Args:
         arena: the NVRAM arena, or None (snapshots are then refused).
+        spill_dir: where a job's snapshots go when the arena's slots hold other jobs'.
     """
 
-    def __init__(self, arena: Arena | None) -> None:
+    def __init__(self, arena: Arena | None, spill_dir: Path) -> None:
         self.arena = arena
+        self.files = SnapshotFiles(spill_dir)
+        self.spilled = 0
         self._queue: dict[str, tuple[int, memoryview]] = {}  # job -> newest (step, payload)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -78,10 +86,15 @@ class Snapshots:
     def get(self, identity: bytes, msg: Message) -> Message:
         """SNAPSHOT_GET: the job's newest whole snapshot, as one frame."""
         job = msg.meta["job"]
-        got = self._region().read_snapshot(job)
+        arena = self._region()
+        if self.files.has(job):
+            got = self.files.read(job)
+        else:
+            in_arena = arena.read_snapshot(job)
+            got = None if in_arena is None else in_arena[1:]
         if got is None:
             raise JobError(f"no snapshot of job {job!r}", ErrorCode.NOT_FOUND)
-        _, step, payload = got
+        step, payload = got
         return Message(
             MsgType.SNAPSHOT,
             msg.request_id,
@@ -105,7 +118,7 @@ class Snapshots:
                 step, payload = self._queue.pop(job)
                 self._busy = True
             try:
-                self.arena.write_snapshot(job, step, payload)
+                self._write(job, step, payload)
                 self.written += 1
                 logger.info(
                     "snapshot of job %s step %d written (%d bytes)", job, step, len(payload)
@@ -114,6 +127,22 @@ class Snapshots:
                 self.failed += 1
                 self.last_error = f"{type(e).__name__}: {e}"
                 logger.exception("snapshot of job %s step %d failed", job, step)
+
+    def _write(self, job: str, step: int, payload: memoryview) -> None:
+        assert self.arena is not None
+        if not self.files.has(job):
+            other = self.arena.snapshots.evicts(job)
+            if other is None:
+                self.arena.write_snapshot(job, step, payload)
+                return
+            logger.info(
+                "snapshots of job %s go to %s: the arena's slots hold job %s's",
+                job,
+                self.files.directory,
+                other,
+            )
+        self.files.write(job, step, payload)
+        self.spilled += 1
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued snapshot is written; False on timeout."""
@@ -129,7 +158,12 @@ class Snapshots:
             out["durability"] = self.arena.durability
         with self._cond:
             out["queued"] = len(self._queue) + int(self._busy)
-        out.update(written=self.written, superseded=self.superseded, failed=self.failed)
+        out.update(
+            written=self.written,
+            superseded=self.superseded,
+            failed=self.failed,
+            to_files=self.spilled,
+        )
         if self.last_error is not None:
             out["last_error"] = self.last_error
         return out

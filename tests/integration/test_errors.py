@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -107,19 +108,35 @@ def test_malformed_messages_get_error_replies_on_a_kept_connection(daemon: Daemo
     sock.connect(daemon.address)
     try:
         good_header = HEADER.pack(MAGIC, 1, int(MsgType.PING), 0, 9)
-        for frames in (
-            [b"junk"],
-            [b"x" * HEADER.size, b"{}"],
-            [HEADER.pack(MAGIC, 99, 1, 0, 1), b"{}"],
-            [HEADER.pack(MAGIC, 1, 200, 0, 2), b"{}"],
-            [good_header, b"not json"],
-            [HEADER.pack(MAGIC, 1, int(MsgType.GET_BATCH), 0, 3), b'{"job": 5}'],
-            [HEADER.pack(MAGIC, 1, int(MsgType.PONG), 0, 4), b"{}"],
+        hello = {"job": "j", "rank": 0, "world_size": 1, "seed": 0, "batch_size": 8}
+        bad, old = ErrorCode.BAD_MESSAGE, ErrorCode.BAD_VERSION
+        for frames, code in (
+            ([b"junk"], bad),
+            ([b"x" * HEADER.size, b"{}"], bad),
+            ([HEADER.pack(MAGIC, 99, 1, 0, 1), b"{}"], old),
+            ([HEADER.pack(MAGIC, 1, 200, 0, 2), b"{}"], bad),
+            ([good_header, b"not json"], bad),
+            ([HEADER.pack(MAGIC, 1, int(MsgType.GET_BATCH), 0, 3), b'{"job": 5}'], bad),
+            ([HEADER.pack(MAGIC, 1, int(MsgType.PONG), 0, 4), b"{}"], bad),
+            (
+                [
+                    HEADER.pack(MAGIC, 1, int(MsgType.OPEN_PASS), 0, 5),
+                    b'{"job": "j", "rank": 0, "worker": 0, "phase": "eval"}',
+                ],
+                bad,
+            ),
+            (
+                [
+                    HEADER.pack(MAGIC, 1, int(MsgType.HELLO), 0, 6),
+                    json.dumps({**hello, "options": {}, "version": 7}).encode(),
+                ],
+                old,
+            ),
         ):
             sock.send_multipart(frames)
             reply = decode(sock.recv_multipart())
             assert reply.type == MsgType.ERROR, frames
-            assert reply.meta["code"] == ErrorCode.BAD_MESSAGE
+            assert reply.meta["code"] == code, (frames, reply.meta)
         sock.send_multipart([good_header, b"{}"])
         assert decode(sock.recv_multipart()).type == MsgType.PONG
     finally:

@@ -14,10 +14,10 @@ import pytest
 
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
-from loaderd.client.errors import DaemonUnavailableError
+from loaderd.client.errors import DaemonUnavailableError, ErrorCode, RemoteError
 from loaderd.client.protocol import MsgType
 from tests.conftest import N_SAMPLES
-from tests.helpers import Daemon
+from tests.helpers import Daemon, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -112,3 +112,28 @@ def test_tcp_refused_without_keys_or_authorized_clients(
         last = out.stderr.strip().splitlines()[-1]
         assert last.startswith("loaderd: error: "), (what, out.stderr)
         assert "tcp" in last.lower() or "authorized" in last, (what, last)
+
+
+def test_removed_key_is_locked_out_and_an_added_one_let_in(
+    tcp_daemon: tuple[Daemon, str], keys: Path, tmp_path: Path
+) -> None:
+    _, tcp = tcp_daemon
+    authorized = keys / "authorized" / "client.key"
+    saved = authorized.read_bytes()
+    with Connection(tcp, timeout_s=5.0, curve_dir=keys) as live:
+        live.request(MsgType.PING, {}, expect=MsgType.PONG)
+        authorized.unlink()
+
+        # The live connection: refused by name within the re-check interval, without restart.
+        def refused() -> bool:
+            try:
+                live.request(MsgType.PING, {}, expect=MsgType.PONG)
+            except RemoteError as e:
+                assert e.code == ErrorCode.UNAUTHORIZED and "authorized" in str(e)
+                return True
+            return False
+
+        wait_until(refused, what="the live connection to be refused")
+    assert no_reply(tcp, keys), "a new connection with the removed key"
+    (keys / "authorized" / "again.key").write_bytes(saved)
+    assert not no_reply(tcp, keys), "the key added back is admitted without a restart"

@@ -80,10 +80,10 @@ def test_pass_progress_and_state_validation() -> None:
     p = PassProgress("train")
     assert p.resume_meta() == {}
     p.begin(3)
-    p.seen |= {2, 0}
+    p.delivered |= {2, 0}
     assert p.resume_meta() == {"resume": {"epoch": 3, "delivered": [0, 2]}}
     p.begin(4)
-    assert p.seen == set()
+    assert p.seen == p.delivered == set()
     with pytest.raises(ValueError, match="not a LoaderdDataset state"):
         check_state({"version": 99})
 
