@@ -75,7 +75,7 @@ def bench_record(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 def history_state(n: int, k: int) -> dict[str, np.ndarray]:
     """State after K warm-up epochs: 20% of samples swing, the rest drift slowly."""
     rng = np.random.default_rng(1)
-    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance", warmup_epochs=k))
+    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance", warmup_epochs=k, window=k))
     base = rng.exponential(1.0, n).astype(np.float32)
     noisy = rng.random(n) < 0.2
     ids = np.arange(n, dtype=np.int64)
@@ -92,7 +92,9 @@ def bench_epoch(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     state = history_state(args.n, k)
     print(f"# built {args.n} samples of history in {time.perf_counter() - t0:.1f}s", flush=True)
     for sampler in SAMPLERS:
-        engine = ImportanceEngine(args.n, ImportanceConfig(sampler=sampler, warmup_epochs=k))
+        engine = ImportanceEngine(
+            args.n, ImportanceConfig(sampler=sampler, warmup_epochs=k, window=k)
+        )
 
         def fresh(engine: ImportanceEngine = engine) -> None:
             engine.load_state_dict(state)  # untimed: undo the regrouping the last run did

@@ -27,19 +27,25 @@ from numpy.typing import NDArray
 
 from loaderd.samplers import (
     draw_unbiased,
+    learnable_score,
+    loss_movement,
     loss_variance,
     select_infobatch,
+    select_learnable,
     select_top,
     split_sorted,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SAMPLERS", "ImportanceConfig", "ImportanceEngine"]
+__all__ = ["RESCORE_COST", "SAMPLERS", "ImportanceConfig", "ImportanceEngine"]
 
-SAMPLERS = ("uniform", "importance", "unbiased", "infobatch")
+SAMPLERS = ("uniform", "learnable", "importance", "unbiased", "infobatch")
+# A re-score forward pass, in training sample-steps: a backward costs about two forwards.
+RESCORE_COST = 1 / 3
 _KINDS = ("train", "rescore")
 _MAX_EPOCH = 2**31 - 2  # epochs are stored as int32 per sample; -1 means "never"
+_MAX_WINDOW = 64  # the history is [window, N] float32: a bound on what one option can allocate
 _STATE_FORMAT = 2
 
 
@@ -66,30 +72,53 @@ def _check_fraction(name: str, value: object, *, zero_ok: bool) -> float:
 class ImportanceConfig:
     """How one job chooses its samples each epoch.
 
+    The default trains every sample every epoch (``uniform``) and still keeps the statistics;
+    ``sampler="learnable", budget=0.5, epochs=E`` is the measured way to spend half the
+    sample-steps of ``E`` full epochs (``benchmarks/results/importance.md``). Options left at
+    None take the sampler's own default.
+
     Attributes:
-        sampler: ``"uniform"`` (every sample, statistics still tracked), ``"importance"`` (the
-            seed's hard top-k), ``"unbiased"`` (draw ∝ importance, weighted by 1/(N·p)) or
-            ``"infobatch"`` (top-k plus an up-weighted random share of the rest).
-        warmup_epochs: K, the classification phase length and the re-classification period.
-            With K < 2 no sample has two losses in its window, so all land in the high group.
-        keep_fraction: share of the dataset trained per epoch after the warm-up, in (0, 1].
+        sampler: ``"uniform"`` (every sample, statistics still tracked), ``"learnable"`` (the
+            samples still being learned: high loss that moves, see
+            :func:`loaderd.samplers.learnable_score`, plus a random share), ``"importance"``
+            (the seed's hard top-k of the latest loss), ``"unbiased"`` (draw ∝ importance,
+            weighted by 1/(N·p)) or ``"infobatch"`` (top-k plus an up-weighted random share of
+            the rest).
+        warmup_epochs: K, the classification phase length and the re-classification period
+            (None: 0 for ``learnable``, 3 for the others).
+        window: epochs of loss history kept per sample, from which its variance and movement
+            are computed (None: 2 for ``learnable``, else K within [1, 64]). With fewer than 2
+            no sample has two losses in its window, so all land in the high group and none has
+            a movement.
+        keep_fraction: share of the dataset trained per epoch after the warm-up, in (0, 1];
+            ignored when ``budget`` is set.
+        budget: share of the sample-steps of ``epochs`` full epochs the whole job may spend, in
+            (0, 1] (needs ``epochs``). Warm-up and annealing epochs train everything; the other
+            epochs share the rest evenly, each less its re-score forwards (counted at
+            :data:`RESCORE_COST` of a training step).
         rescore: re-score the high group by a forward pass before each selection; without it the
-            latest training loss stands for everyone.
+            latest training loss stands for everyone (None: off for ``learnable``, which
+            explores instead, on for the others).
         mix: ``unbiased`` only: share of the uniform distribution in the draw probability, in
             [0, 1]; every weight is at most ``1 / mix``.
         prune_keep_prob: ``infobatch`` only: share of the samples below the cut that are kept
             anyway, each weighted by about ``1 / prune_keep_prob``; in (0, 1].
+        explore: ``learnable`` only: expected share of each epoch's selection drawn uniformly at
+            random (weight 1), which keeps every sample's statistics fresh; in [0, 1].
         anneal_epochs: train on every sample in the last ``anneal_epochs`` epochs (needs
             ``epochs``); applies to every sampler but ``uniform``, which trains on all anyway.
-        epochs: total epochs of the job, when known; only used for annealing.
+        epochs: total epochs of the job, when known; used for ``budget`` and annealing.
     """
 
-    sampler: str = "infobatch"
-    warmup_epochs: int = 3
+    sampler: str = "uniform"
+    warmup_epochs: int | None = None
+    window: int | None = None
     keep_fraction: float = 0.7
-    rescore: bool = True
+    budget: float | None = None
+    rescore: bool | None = None
     mix: float = 0.3
     prune_keep_prob: float = 0.5
+    explore: float = 0.3
     anneal_epochs: int = 0
     epochs: int | None = None
 
@@ -98,26 +127,54 @@ class ImportanceConfig:
             raise ValueError(
                 f"`sampler` must be one of {', '.join(SAMPLERS)}; got {self.sampler!r}"
             )
-        _check_int("warmup_epochs", self.warmup_epochs, 0)
-        if self.warmup_epochs > _MAX_EPOCH:
-            raise ValueError(f"`warmup_epochs` must be <= {_MAX_EPOCH}, got {self.warmup_epochs}")
+        if self.warmup_epochs is not None:
+            _check_int("warmup_epochs", self.warmup_epochs, 0)
+            if self.warmup_epochs > _MAX_EPOCH:
+                raise ValueError(
+                    f"`warmup_epochs` must be <= {_MAX_EPOCH}, got {self.warmup_epochs}"
+                )
+        if self.window is not None:
+            _check_int("window", self.window, 1)
+            if self.window > _MAX_WINDOW:
+                raise ValueError(f"`window` must be <= {_MAX_WINDOW}, got {self.window}")
         # JSON sends 1 for 1.0: store floats as floats so equality and repr stay predictable.
-        for name, zero_ok in (("keep_fraction", False), ("mix", True), ("prune_keep_prob", False)):
+        fractions = (
+            ("keep_fraction", False),
+            ("mix", True),
+            ("prune_keep_prob", False),
+            ("explore", True),
+        )
+        for name, zero_ok in fractions:
             object.__setattr__(
                 self, name, _check_fraction(name, getattr(self, name), zero_ok=zero_ok)
             )
-        if not isinstance(self.rescore, bool):
+        if self.rescore is not None and not isinstance(self.rescore, bool):
             raise ValueError(f"`rescore` must be true or false, got {self.rescore!r}")
         _check_int("anneal_epochs", self.anneal_epochs, 0)
         if self.epochs is not None:
             _check_int("epochs", self.epochs, 1)
-        if self.anneal_epochs > 0:
-            if self.epochs is None:
-                raise ValueError("`anneal_epochs` needs `epochs` (the job's total epochs)")
-            if self.anneal_epochs > self.epochs:
+        for name, value in (("anneal_epochs", self.anneal_epochs), ("budget", self.budget)):
+            if value and self.epochs is None:
+                raise ValueError(f"`{name}` needs `epochs` (the job's total epochs)")
+        if self.anneal_epochs > 0 and self.epochs is not None and self.anneal_epochs > self.epochs:
+            raise ValueError(
+                f"`anneal_epochs` ({self.anneal_epochs}) must not exceed `epochs` ({self.epochs})"
+            )
+        if self.budget is not None and self.rescoring and self.history < 2:
+            raise ValueError(
+                "`rescore` with a `window` under 2 epochs re-scores every sample every epoch, "
+                "which no `budget` can pay for: set window >= 2 or rescore false"
+            )
+        if self.budget is not None:
+            budget = _check_fraction("budget", self.budget, zero_ok=False)
+            object.__setattr__(self, "budget", budget)
+            assert self.epochs is not None
+            full = min(self.warmup + self.anneal_epochs, self.epochs)
+            if full < self.epochs and budget * self.epochs <= full:
                 raise ValueError(
-                    f"`anneal_epochs` ({self.anneal_epochs}) must not exceed `epochs` "
-                    f"({self.epochs})"
+                    f"`budget` {budget:g} of {self.epochs} epochs is {budget * self.epochs:g} "
+                    f"epochs of data, but warm-up ({self.warmup}) and annealing "
+                    f"({self.anneal_epochs}) alone train {full}: raise the budget or lower them"
                 )
 
     @classmethod
@@ -148,9 +205,25 @@ class ImportanceConfig:
         return dataclasses.replace(defaults, **changes)
 
     @property
+    def warmup(self) -> int:
+        """K: ``warmup_epochs``, or the sampler's default."""
+        if self.warmup_epochs is not None:
+            return self.warmup_epochs
+        return 0 if self.sampler == "learnable" else 3
+
+    @property
     def history(self) -> int:
         """Epochs of loss history kept per sample (and the re-classification period)."""
-        return max(self.warmup_epochs, 1)
+        if self.window is not None:
+            return self.window
+        if self.sampler == "learnable":
+            return 2
+        return min(max(self.warmup, 1), _MAX_WINDOW)  # a long warm-up does not size the ring
+
+    @property
+    def rescoring(self) -> bool:
+        """Whether the high group is re-scored: ``rescore``, or the sampler's default."""
+        return self.rescore if self.rescore is not None else self.sampler != "learnable"
 
 
 def _check_epoch(epoch: object) -> int:
@@ -210,7 +283,7 @@ class ImportanceEngine:
 
     def phase(self, epoch: int) -> str:
         """Return ``"classify"`` for the first K epochs, ``"select"`` after them."""
-        return "classify" if _check_epoch(epoch) < self._config.warmup_epochs else "select"
+        return "classify" if _check_epoch(epoch) < self._config.warmup else "select"
 
     def record(
         self,
@@ -312,14 +385,19 @@ class ImportanceEngine:
         epoch = _check_epoch(epoch)
         cfg = self._config
         if (
-            not cfg.rescore
+            not cfg.rescoring
             or cfg.sampler == "uniform"
-            or epoch < cfg.warmup_epochs
+            or epoch < cfg.warmup
             or self._annealing(epoch)
         ):
             return np.empty(0, dtype=np.int64)
         self._ensure_groups(epoch)
         return np.flatnonzero(self._high).astype(np.int64)
+
+    def selects_all(self, epoch: int) -> bool:
+        """Whether ``epoch`` trains every sample (known before it is planned)."""
+        cfg = self._config
+        return cfg.sampler == "uniform" or epoch < cfg.warmup or self._annealing(epoch)
 
     def select(self, epoch: int, seed: int) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
         """Choose ``epoch``'s samples and their loss weights.
@@ -344,13 +422,13 @@ class ImportanceEngine:
         self._epoch = max(self._epoch, epoch)
         self._ensure_groups(epoch)
         cut = -np.inf
-        if cfg.sampler == "uniform" or epoch < cfg.warmup_epochs or self._annealing(epoch):
+        if self.selects_all(epoch):
             ids = np.arange(self._n, dtype=np.int64)
             weights = np.ones(self._n, dtype=np.float32)
         else:
             rng = np.random.default_rng([seed, epoch])
-            keep = max(1, round(cfg.keep_fraction * self._n))
-            if cfg.rescore:
+            keep = self._keep_count()
+            if cfg.rescoring:
                 missing = int(np.count_nonzero(self._high & (self._rescored_epoch != epoch)))
                 if missing:
                     logger.debug(
@@ -358,7 +436,9 @@ class ImportanceEngine:
                         epoch,
                         missing,
                     )
-            if cfg.sampler == "importance":
+            if cfg.sampler == "learnable":
+                ids, weights, cut = select_learnable(self._score(), keep, cfg.explore, rng)
+            elif cfg.sampler == "importance":
                 mask, cut = select_top(self._last_loss, keep, rng)
                 ids = np.flatnonzero(mask).astype(np.int64)
                 weights = np.ones(ids.size, dtype=np.float32)
@@ -366,22 +446,59 @@ class ImportanceEngine:
                 ids, weights = draw_unbiased(self._last_loss, keep, cfg.mix, rng)
                 cut = np.nan
             else:
-                ids, weights, cut = select_infobatch(
-                    self._last_loss, keep, cfg.prune_keep_prob, rng
-                )
+                top, share = keep, cfg.prune_keep_prob
+                if cfg.budget is not None:  # the budget pays for the top and the random share
+                    free = (keep - share * self._n) / (1.0 - share) if share < 1.0 else 0.0
+                    top = max(0, round(free))
+                    share = share if top > 0 else min(share, keep / self._n)
+                ids, weights, cut = select_infobatch(self._last_loss, top, share, rng)
         self._selected_epoch = epoch
         self._selected = int(ids.size)
         self._keep_threshold = cut
         logger.debug("epoch %d: selected %d of %d samples", epoch, ids.size, self._n)
         return ids, weights
 
+    def _keep_count(self) -> int:
+        """How many samples a selecting epoch trains (after its groups are current)."""
+        cfg, n = self._config, self._n
+        if cfg.budget is None:
+            return max(1, round(cfg.keep_fraction * n))
+        assert cfg.epochs is not None  # the config checks it
+        full = cfg.warmup + cfg.anneal_epochs
+        share = cfg.budget
+        if cfg.epochs > full:  # the epochs that select share what warm-up and annealing leave
+            share = (cfg.budget * cfg.epochs - full) / (cfg.epochs - full)
+        rescored = int(np.count_nonzero(self._high)) if cfg.rescoring else 0
+        return min(n, max(1, round(share * n - RESCORE_COST * rescored)))
+
+    def _score(self) -> NDArray[np.float32]:
+        """Per-sample ranking score of the sampler (the latest loss, or the learnable score)."""
+        if self._config.sampler == "learnable":
+            return learnable_score(self._last_loss, loss_movement(self._ring))
+        return self._last_loss.copy()
+
     def variances(self) -> NDArray[np.float32]:
         """Per-sample loss variance at the last re-classification (NaN: too little history)."""
         return self._variance.copy()
 
-    def importance(self) -> NDArray[np.float32]:
-        """Per-sample current importance, the latest loss (NaN: never scored)."""
+    def losses(self) -> NDArray[np.float32]:
+        """Per-sample latest loss, training or re-score (NaN: never scored)."""
         return self._last_loss.copy()
+
+    def movement(self) -> NDArray[np.float32]:
+        """Per-sample spread of ``exp(-loss)`` over its window (NaN: under two epochs).
+
+        See :func:`loaderd.samplers.loss_movement`.
+        """
+        return loss_movement(self._ring)
+
+    def importance(self) -> NDArray[np.float32]:
+        """Per-sample current importance, what the sampler ranks by (NaN: never scored).
+
+        The latest loss, or for ``learnable`` the latest loss discounted by how steady the
+        sample's fit is (:func:`loaderd.samplers.learnable_score`).
+        """
+        return self._score()
 
     def stats(self) -> dict[str, object]:
         """Summarise the engine for ``loaderd stats``; every value is JSON-serialisable.
@@ -438,7 +555,7 @@ class ImportanceEngine:
         )
 
     def _ensure_groups(self, epoch: int) -> None:
-        k = self._config.warmup_epochs
+        k = self._config.warmup
         if epoch < k:
             return
         period = self._config.history

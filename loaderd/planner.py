@@ -48,12 +48,19 @@ def plan_pass(
     phase: str,
     world_size: int,
     batch_size: int,
+    drop_last: bool = False,
 ) -> list[RankPlan]:
-    """Shuffle the selected samples and split them over ranks into batches.
+    """Shuffle the selected samples and split them over ranks into batches, as PyTorch does.
 
-    Every rank gets the same number of batches (so collective ops in DDP never wait on a rank
-    with one batch fewer), and every selected sample appears exactly once: ranks' shares differ
-    by at most one sample and batch sizes within a rank by at most one.
+    The rules are ``DistributedSampler``'s and ``DataLoader``'s: every rank gets the same
+    number of samples and so of batches (collective ops in DDP never wait on a rank with one
+    batch fewer), and every batch holds exactly ``batch_size`` samples except each rank's last.
+    A re-score pass is split evenly instead, every sample once (``_even_split``). Without
+    ``drop_last`` the shuffled order is padded with its own first entries up to a
+    multiple of ``world_size`` (at most ``world_size - 1`` samples are trained twice in the
+    epoch), and each rank's last batch may be short. With ``drop_last`` the order's tail is
+    dropped down to a multiple of ``world_size`` and each rank's short last batch is dropped;
+    what is dropped changes with every epoch's shuffle.
 
     Args:
         ids: the samples of this pass (int64; may repeat when a sampler draws with replacement).
@@ -62,7 +69,8 @@ def plan_pass(
         epoch: the epoch number.
         phase: ``"train"`` or ``"rescore"`` (shuffled independently).
         world_size: the number of ranks.
-        batch_size: the largest batch size.
+        batch_size: the batch size.
+        drop_last: drop the remainders instead of padding and short batches.
 
     Returns:
         One plan per rank.
@@ -70,7 +78,35 @@ def plan_pass(
     if len(ids) != len(weights):
         raise ValueError(f"{len(ids)} ids but {len(weights)} weights")
     order = rng_for(seed, epoch, phase).permutation(len(ids))
+    if phase == "rescore":
+        return _even_split(ids[order], weights[order], world_size, batch_size)
+    if drop_last:
+        share = len(ids) // world_size
+        order = order[: share * world_size]
+    else:
+        share = -(-len(ids) // world_size)
+        pad = share * world_size - len(ids)
+        if pad:  # repeated as often as needed when there are fewer samples than ranks
+            order = np.concatenate([order, np.resize(order, pad)])
     ids, weights = ids[order], weights[order]
+    full, rest = divmod(share, batch_size)
+    n_batches = full if drop_last or not rest else full + 1
+    bounds = np.minimum(np.arange(n_batches + 1, dtype=np.int64) * batch_size, share)
+    plans = []
+    for r in range(world_size):
+        lo, hi = r * share, r * share + int(bounds[-1])
+        plans.append(RankPlan(ids[lo:hi], weights[lo:hi], bounds))
+    return plans
+
+
+def _even_split(
+    ids: np.ndarray, weights: np.ndarray, world_size: int, batch_size: int
+) -> list[RankPlan]:
+    """A re-score pass: every sample exactly once (a second loss would skew its statistics).
+
+    Ranks' shares differ by at most one sample and batch sizes by at most one, and every rank
+    still gets the same number of batches.
+    """
     share = -(-len(ids) // world_size)
     n_batches = -(-share // batch_size) if share else 0
     plans = []
@@ -80,3 +116,9 @@ def plan_pass(
         bounds = np.linspace(0, hi - lo, n_batches + 1).round().astype(np.int64)
         plans.append(RankPlan(ids[lo:hi], weights[lo:hi], bounds))
     return plans
+
+
+def num_batches(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches each rank gets from a pass of ``n`` samples (``plan_pass``'s rule)."""
+    share = n // world_size if drop_last else -(-n // world_size)
+    return share // batch_size if drop_last else -(-share // batch_size)

@@ -20,7 +20,10 @@ _BLOCK = 1 << 16  # samples per block in the O(N) kernels: 512 KiB per float64 b
 __all__ = [
     "TwoClusterSplit",
     "draw_unbiased",
+    "loss_movement",
     "loss_variance",
+    "learnable_score",
+    "select_learnable",
     "select_infobatch",
     "select_top",
     "split_sorted",
@@ -49,16 +52,10 @@ class TwoClusterSplit(NamedTuple):
     cost: float
 
 
-def loss_variance(history: NDArray[np.float32]) -> tuple[NDArray[np.float32], NDArray[np.int32]]:
-    """Per-sample population variance over the recorded epochs of a loss history.
-
-    Args:
-        history: ``[epochs, N]`` losses, NaN where a sample has no loss for that epoch.
-
-    Returns:
-        The variance (NaN where fewer than two epochs were recorded) and the number of recorded
-        epochs per sample.
-    """
+def _window_spread(
+    history: NDArray[np.float32], *, likelihood: bool
+) -> tuple[NDArray[np.float32], NDArray[np.int32]]:
+    """Per-sample population variance of the recorded epochs (of ``exp(-loss)`` if asked)."""
     n = history.shape[1]
     var = np.empty(n, dtype=np.float32)
     seen = np.empty(n, dtype=np.int32)
@@ -67,6 +64,8 @@ def loss_variance(history: NDArray[np.float32]) -> tuple[NDArray[np.float32], ND
     for a in range(0, n, _BLOCK):
         h = history[:, a : a + _BLOCK]
         ok = ~np.isnan(h)
+        if likelihood:  # NaN stays NaN; a loss below -30 (not a log-likelihood) is clipped
+            h = np.exp(-np.maximum(h, np.float32(-30)))
         cnt = ok.sum(axis=0, dtype=np.int32)
         denom = np.maximum(cnt, 1).astype(np.float32)
         mean = np.where(ok, h, np.float32(0)).sum(axis=0) / denom
@@ -78,6 +77,37 @@ def loss_variance(history: NDArray[np.float32]) -> tuple[NDArray[np.float32], ND
         var[a : a + _BLOCK] = v
         seen[a : a + _BLOCK] = cnt
     return var, seen
+
+
+def loss_variance(history: NDArray[np.float32]) -> tuple[NDArray[np.float32], NDArray[np.int32]]:
+    """Per-sample population variance over the recorded epochs of a loss history.
+
+    Args:
+        history: ``[epochs, N]`` losses, NaN where a sample has no loss for that epoch.
+
+    Returns:
+        The variance (NaN where fewer than two epochs were recorded) and the number of recorded
+        epochs per sample.
+    """
+    return _window_spread(history, likelihood=False)
+
+
+def loss_movement(history: NDArray[np.float32]) -> NDArray[np.float32]:
+    """How much each sample's fit moves: the std over its recorded epochs of ``exp(-loss)``.
+
+    Read as a negative log-likelihood (cross-entropy is one), ``exp(-loss)`` is the probability
+    the model gives the sample's label. A sample being learned moves on that scale; an easy one
+    (near 1) and a mislabelled or unlearnable one (near 0) stay put. On the loss scale the
+    mislabelled ones would look the most volatile, because their losses are the largest.
+
+    Args:
+        history: ``[epochs, N]`` losses, NaN where a sample has no loss for that epoch.
+
+    Returns:
+        The standard deviation per sample, NaN where fewer than two epochs were recorded.
+    """
+    var, _ = _window_spread(history, likelihood=True)
+    return np.sqrt(var, out=var)
 
 
 def split_two_clusters(values: NDArray[np.floating]) -> TwoClusterSplit:
@@ -300,3 +330,70 @@ def select_infobatch(
     weight[extra] = np.float32(1.0 / share)
     ids = np.flatnonzero(weight).astype(np.int64)
     return ids, weight[ids], cut
+
+
+def learnable_score(
+    importance: NDArray[np.float32], movement: NDArray[np.float32]
+) -> NDArray[np.float32]:
+    """Latest loss, discounted by how steady the sample's fit is: ``loss * (m / (m + M))**2``.
+
+    ``m`` is the sample's :func:`loss_movement` and ``M`` the median movement over the samples
+    that have one. A sample that moves as much as the typical one keeps a quarter of its loss,
+    one that moves much more keeps nearly all of it, and one whose loss is high and steady (a
+    wrong label, an outlier) keeps almost none: high loss alone no longer earns a place.
+    Samples without two recorded epochs keep their loss (and NaN, never scored, stays NaN,
+    which :func:`select_top` ranks first).
+
+    Args:
+        importance: per-sample latest loss (NaN: never scored).
+        movement: per-sample movement (NaN: fewer than two recorded epochs).
+
+    Returns:
+        The score per sample, float32.
+    """
+    known = movement[~np.isnan(movement)]
+    # The median of an evenly strided sample: deterministic, and O(1) in N past 2^17 samples.
+    step = max(1, known.size >> 17)
+    ref = float(np.median(known[::step])) if known.size else 0.0
+    score = importance.copy()
+    if ref <= 0.0:  # nothing moves (or nothing known): the loss alone ranks
+        return score
+    has = ~np.isnan(movement)
+    m = movement[has]
+    factor = m / (m + np.float32(ref))
+    score[has] *= factor * factor
+    return score
+
+
+def select_learnable(
+    score: NDArray[np.float32], keep: int, explore: float, rng: np.random.Generator
+) -> tuple[NDArray[np.int64], NDArray[np.float32], float]:
+    """``keep`` samples: about ``explore * keep`` drawn at random, the rest the best by score.
+
+    The random share refreshes the statistics of samples the score leaves out (a pruned
+    sample's loss and movement are only as new as its last training) and keeps the model from
+    forgetting them. Every weight is 1: the selection is biased on purpose, towards samples that
+    are still being learned and away from steady high-loss ones.
+
+    Args:
+        score: per-sample :func:`learnable_score`.
+        keep: how many samples to select, clipped to ``[0, len(score)]``.
+        explore: expected share of ``keep`` drawn uniformly at random, in ``[0, 1]``.
+        rng: draws the random share and breaks ties at the cut.
+
+    Returns:
+        Selected ids in ascending order (int64, no repeats), float32 weights (ones), and the
+        score at the cut as :func:`select_top` reports it.
+    """
+    n = score.size
+    keep = min(max(int(keep), 0), n)
+    drawn = rng.random(n, dtype=np.float32) < np.float32(explore * keep / n)
+    if int(np.count_nonzero(drawn)) > keep:  # a draw beyond keep (tiny n): trim at random
+        extra = rng.choice(np.flatnonzero(drawn), int(np.count_nonzero(drawn)) - keep, False)
+        drawn[extra] = False
+    rest = score.copy()
+    rest[drawn] = -np.inf  # below every score, NaN included (select_top ranks NaN first)
+    top, cut = select_top(rest, keep - int(np.count_nonzero(drawn)), rng)
+    top |= drawn
+    ids = np.flatnonzero(top).astype(np.int64)
+    return ids, np.ones(ids.size, dtype=np.float32), cut

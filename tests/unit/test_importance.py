@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -11,11 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loaderd.importance import ImportanceConfig, ImportanceEngine
+from loaderd.importance import RESCORE_COST, ImportanceConfig, ImportanceEngine
 from loaderd.samplers import (
     draw_unbiased,
+    learnable_score,
+    loss_movement,
     loss_variance,
     select_infobatch,
+    select_learnable,
     select_top,
     split_two_clusters,
 )
@@ -51,6 +55,7 @@ def feed_classification(engine: ImportanceEngine, noisy: np.ndarray, seed: int =
 def engine_with_history(
     sampler: str = "importance", n: int = 1000, **kw: object
 ) -> ImportanceEngine:
+    kw.setdefault("warmup_epochs", 3)
     engine = ImportanceEngine(n, ImportanceConfig(sampler=sampler, **kw))  # type: ignore[arg-type]
     feed_classification(engine, np.arange(n) % 5 == 0)
     return engine
@@ -164,7 +169,7 @@ def test_classify_then_select_at_epoch_k() -> None:
 def test_rescore_ids_are_exactly_the_high_group() -> None:
     n = 1000
     noisy = np.arange(n) % 5 == 0
-    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance"))
+    engine = ImportanceEngine(n, ImportanceConfig(sampler="importance", warmup_epochs=3))
     feed_classification(engine, noisy)
     high = engine.rescore_ids(3)
     assert high.dtype == np.int64
@@ -260,7 +265,7 @@ def test_top_k_breaks_ties_at_random_and_ranks_unknown_first() -> None:
     assert len(picks) > 1
 
 
-@pytest.mark.parametrize("sampler", ["uniform", "importance", "unbiased", "infobatch"])
+@pytest.mark.parametrize("sampler", ["uniform", "learnable", "importance", "unbiased", "infobatch"])
 def test_selection_is_deterministic_in_seed_epoch_and_state(sampler: str) -> None:
     a, b = engine_with_history(sampler), engine_with_history(sampler)
     ids_a, w_a = a.select(4, seed=9)
@@ -268,7 +273,7 @@ def test_selection_is_deterministic_in_seed_epoch_and_state(sampler: str) -> Non
     assert np.array_equal(ids_a, ids_b) and np.array_equal(w_a, w_b)
     again = a.select(4, seed=9)
     assert np.array_equal(ids_a, again[0]) and np.array_equal(w_a, again[1])
-    if sampler in ("unbiased", "infobatch"):  # the draw depends on both seed and epoch
+    if sampler in ("learnable", "unbiased", "infobatch"):  # the draw depends on seed and epoch
         assert not np.array_equal(ids_a, a.select(4, seed=10)[0])
         assert not np.array_equal(ids_a, a.select(5, seed=9)[0])
 
@@ -347,6 +352,141 @@ def test_annealing_trains_on_everything_in_the_last_epochs() -> None:
         assert ids.size == 1000 and (w == 1).all()
 
 
+# ---------------------------------------------------------------- learnable, budget
+
+
+def crafted_histories(engine: ImportanceEngine, per_kind: int = 100) -> dict[str, np.ndarray]:
+    """Two epochs of three kinds of sample (ids in blocks of ``per_kind``).
+
+    ``noisy``: a wrong label, high loss that stays put (4.0, 4.1); ``learnable``: a loss that
+    moves as the model learns it (1.6, then 0.9); ``easy``: already learned (0.02, 0.015).
+    """
+    kinds = {
+        "noisy": (4.0, 4.1),
+        "learnable": (1.6, 0.9),
+        "easy": (0.02, 0.015),
+    }
+    ids = {}
+    for i, (name, losses) in enumerate(kinds.items()):
+        ids[name] = np.arange(i * per_kind, (i + 1) * per_kind)
+        for epoch, loss in enumerate(losses):
+            jitter = np.linspace(0.0, 0.01, per_kind, dtype=np.float32)  # no ties at the cut
+            engine.record(ids[name], loss + jitter, epoch)
+    return ids
+
+
+def test_learnable_keeps_the_learnable_samples_and_drops_noisy_and_easy_ones() -> None:
+    cfg = ImportanceConfig(sampler="learnable", warmup_epochs=2, keep_fraction=1 / 3, explore=0)
+    engine = ImportanceEngine(300, cfg)
+    kind = crafted_histories(engine)
+    ids, weights = engine.select(2, seed=0)
+    assert ids.tolist() == kind["learnable"].tolist()
+    assert (weights == 1).all()
+    # The seed's top-k of the latest loss keeps the mislabelled ones instead.
+    top = ImportanceEngine(300, dataclasses.replace(cfg, sampler="importance"))
+    crafted_histories(top)
+    assert top.select(2, seed=0)[0].tolist() == kind["noisy"].tolist()
+    score = engine.importance()  # what the plot and the cache tiers rank by
+    assert score[kind["learnable"]].min() > score[kind["noisy"]].max() > score[kind["easy"]].max()
+
+
+def test_loss_movement_is_the_spread_of_the_label_probability() -> None:
+    nan = np.nan
+    history = np.array([[0.0, 2.0, nan], [np.log(2), 2.0, 1.0]], np.float32)
+    move = loss_movement(history)
+    assert move[0] == pytest.approx(0.25)  # exp(-loss) went 1 -> 0.5: std 0.25
+    assert move[1] == 0.0
+    assert np.isnan(move[2])  # one epoch: unknown
+
+
+def test_learnable_score_discounts_steady_samples_and_keeps_the_unknown() -> None:
+    loss = np.array([2.0, 2.0, 2.0, 3.0, np.nan], np.float32)
+    move = np.array([0.1, 0.3, 0.0, np.nan, np.nan], np.float32)  # median of the known: 0.1
+    score = learnable_score(loss, move)
+    assert score[0] == pytest.approx(2.0 * 0.25)  # as mobile as the median: a quarter
+    assert score[1] == pytest.approx(2.0 * 0.75**2)
+    assert score[2] == 0.0  # high and steady: nothing left
+    assert score[3] == 3.0  # no movement known yet: the loss stands
+    assert np.isnan(score[4])  # never scored: select_top ranks it first
+
+
+def test_select_learnable_explores_at_random_with_weight_one() -> None:
+    score = np.arange(10_000, dtype=np.float32)
+    ids, w, cut = select_learnable(score, 2000, 0.3, np.random.default_rng(0))
+    assert ids.size == 2000 and np.unique(ids).size == 2000 and (np.diff(ids) > 0).all()
+    assert (w == 1).all()
+    below = ids < cut
+    # About 30% drawn at random, of which about 84% fall below the cut (the rest are top).
+    assert 0.2 < below.mean() < 0.3
+    assert np.array_equal(
+        select_learnable(score, 2000, 0.0, np.random.default_rng(0))[0], np.arange(8000, 10_000)
+    )
+    assert select_learnable(score[:3], 3, 1.0, np.random.default_rng(0))[0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("sampler", ["learnable", "importance", "infobatch", "unbiased"])
+def test_budget_spreads_what_warmup_and_annealing_leave_over_the_other_epochs(
+    sampler: str,
+) -> None:
+    n, epochs = 4000, 20
+    cfg = ImportanceConfig(
+        sampler=sampler, budget=0.5, epochs=epochs, warmup_epochs=2, anneal_epochs=1
+    )
+    engine = ImportanceEngine(n, cfg)
+    rng = np.random.default_rng(0)
+    cost = 0.0
+    rescored = 0
+    for epoch in range(epochs):
+        high = engine.rescore_ids(epoch)
+        if high.size:
+            engine.record(high, rng.exponential(1.0, high.size), epoch, kind="rescore")
+        ids, _ = engine.select(epoch, seed=0)
+        engine.record(np.unique(ids), rng.exponential(1.0, np.unique(ids).size), epoch)
+        cost += ids.size + RESCORE_COST * high.size
+        rescored += high.size
+        if 2 <= epoch < 19 and sampler != "infobatch":  # (0.5 * 20 - 3) / 17, less re-scores
+            assert ids.size == round(7 / 17 * n - RESCORE_COST * high.size)
+    # The seed's sampler re-scores (and pays for it), learnable explores instead.
+    assert (rescored > 0) == (sampler != "learnable")
+    # infobatch's random share is drawn by coin flips: its cost is right on average.
+    assert cost == pytest.approx(0.5 * epochs * n, rel=0.01 if sampler == "infobatch" else 0.001)
+
+
+def test_budget_needs_epochs_and_room_beyond_warmup() -> None:
+    with pytest.raises(ValueError, match="`budget` needs `epochs`"):
+        ImportanceConfig(sampler="learnable", budget=0.5)
+    with pytest.raises(ValueError, match=r"`budget` 0.1 of 10 epochs is 1 epochs of data, but"):
+        ImportanceConfig(sampler="learnable", budget=0.1, epochs=10, warmup_epochs=2)
+    with pytest.raises(ValueError, match="re-scores every sample every epoch"):
+        ImportanceConfig(sampler="importance", budget=0.5, epochs=10, warmup_epochs=1)
+    assert ImportanceConfig(budget=1, epochs=3).budget == 1.0
+
+
+def test_each_sampler_has_its_own_defaults() -> None:
+    learnable = ImportanceConfig(sampler="learnable")
+    assert (learnable.warmup, learnable.history, learnable.rescoring) == (0, 2, False)
+    seed = ImportanceConfig(sampler="importance")
+    assert (seed.warmup, seed.history, seed.rescoring) == (3, 3, True)
+    assert ImportanceConfig(sampler="importance", warmup_epochs=10**6).history == 64  # [64, N]
+    mine = ImportanceConfig(sampler="learnable", warmup_epochs=1, window=4, rescore=True)
+    assert (mine.warmup, mine.history, mine.rescoring) == (1, 4, True)
+    # A daemon's defaults leave them open, so a job that picks a sampler gets its defaults.
+    job = ImportanceConfig.from_options({"sampler": "learnable"}, ImportanceConfig())
+    assert job.warmup == 0
+
+
+def test_the_default_trains_everything() -> None:
+    cfg = ImportanceConfig()
+    assert cfg.sampler == "uniform"
+    engine = ImportanceEngine(50, cfg)
+    for epoch in range(5):
+        ids, w = engine.select(epoch, seed=0)
+        assert ids.tolist() == list(range(50)) and (w == 1).all()
+        engine.record(ids, np.full(50, 1.0 / (epoch + 1)), epoch)
+    assert engine.rescore_ids(4).size == 0
+    assert engine.stats()["feedback_samples"] == 250  # statistics are kept all the same
+
+
 # ---------------------------------------------------------------- record() validation
 
 
@@ -402,6 +542,9 @@ def test_record_counts_repeats_and_ignores_stale_epochs() -> None:
         ({"anneal_epochs": 2}, "anneal_epochs"),
         ({"anneal_epochs": 5, "epochs": 3}, "anneal_epochs"),
         ({"epochs": 0}, "epochs"),
+        ({"explore": 1.5}, "explore"),
+        ({"budget": 0.0, "epochs": 5}, "budget"),
+        ({"budget": 2, "epochs": 5}, "budget"),
     ],
 )
 def test_bad_config_names_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -438,7 +581,7 @@ def test_state_dict_round_trip_through_npz(sampler: str) -> None:
     buf = io.BytesIO()
     np.savez(buf, **engine.state_dict())
     buf.seek(0)
-    restored = ImportanceEngine(1000, ImportanceConfig(sampler=sampler))
+    restored = ImportanceEngine(1000, ImportanceConfig(sampler=sampler, warmup_epochs=3))
     with np.load(buf) as z:
         restored.load_state_dict({k: z[k] for k in z.files})
     assert restored.stats() == engine.stats()
@@ -455,7 +598,7 @@ def test_load_state_dict_refuses_other_sizes_and_bad_arrays() -> None:
         ImportanceEngine(999, ImportanceConfig()).load_state_dict(state)
     with pytest.raises(ValueError, match="`ring`"):
         ImportanceEngine(1000, ImportanceConfig(warmup_epochs=4)).load_state_dict(state)
-    target = ImportanceEngine(1000, ImportanceConfig())
+    target = ImportanceEngine(1000, ImportanceConfig(warmup_epochs=3))
     with pytest.raises(ValueError, match="`last_loss`"):
         target.load_state_dict({**state, "last_loss": np.zeros(5, np.float32)})
     with pytest.raises(ValueError, match="missing"):

@@ -7,14 +7,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loaderd.planner import plan_pass
+from loaderd.planner import num_batches, plan_pass
 
 
-def plan(n: int, *, seed: int = 1, epoch: int = 0, phase: str = "train", ws: int = 2, bs: int = 4):
+def plan(
+    n: int,
+    *,
+    seed: int = 1,
+    epoch: int = 0,
+    phase: str = "train",
+    ws: int = 2,
+    bs: int = 4,
+    drop_last: bool = False,
+):
     ids = np.arange(n, dtype=np.int64)
     weights = (ids * 0.5).astype(np.float32)
     return plan_pass(
-        ids, weights, seed=seed, epoch=epoch, phase=phase, world_size=ws, batch_size=bs
+        ids,
+        weights,
+        seed=seed,
+        epoch=epoch,
+        phase=phase,
+        world_size=ws,
+        batch_size=bs,
+        drop_last=drop_last,
     )
 
 
@@ -86,39 +102,56 @@ def test_empty_selection() -> None:
 
 def test_known_split() -> None:
     plans = plan(10, ws=2, bs=4)
-    assert [p.num_batches for p in plans] == [2, 2]
-    assert [[len(b) for b in bs] for bs in batches(plans)] == [[2, 3], [2, 3]]
+    assert [[len(b) for b in bs] for bs in batches(plans)] == [[4, 1], [4, 1]]
+    plans = plan(10, ws=2, bs=4, drop_last=True)
+    assert [[len(b) for b in bs] for bs in batches(plans)] == [[4], [4]]
+    plans = plan(7, ws=2, bs=4)  # padded to 8 with the shuffle's first sample
+    assert [[len(b) for b in bs] for bs in batches(plans)] == [[4], [4]]
+    ids = flat_ids(plans)
+    assert sorted(set(ids.tolist())) == list(range(7)) and ids[-1] == ids[0]
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(0, 2000),
     ws=st.integers(1, 17),
     bs=st.integers(1, 300),
     seed=st.integers(0, 2**32 - 1),
     epoch=st.integers(0, 1000),
+    drop_last=st.booleans(),
 )
-def test_complete_even_and_bounded(n: int, ws: int, bs: int, seed: int, epoch: int) -> None:
-    plans = plan(n, seed=seed, epoch=epoch, ws=ws, bs=bs)
+def test_pytorch_conventions(
+    n: int, ws: int, bs: int, seed: int, epoch: int, drop_last: bool
+) -> None:
+    plans = plan(n, seed=seed, epoch=epoch, ws=ws, bs=bs, drop_last=drop_last)
     assert len(plans) == ws
-    # every id exactly once across ranks
-    np.testing.assert_array_equal(np.sort(flat_ids(plans)), np.arange(n))
-    # every rank the same number of batches, and no more than needed
+    # every rank the same number of batches, the one num_batches() predicts
     counts = {p.num_batches for p in plans}
-    assert len(counts) == 1
-    share = -(-n // ws)
-    assert counts.pop() == -(-share // bs)
-    # ranks' shares differ by at most one sample
-    sizes = [len(p.ids) for p in plans]
-    assert max(sizes) - min(sizes) <= 1
+    assert counts == {num_batches(n, ws, bs, drop_last)}
+    ids = flat_ids(plans)
+    if drop_last:
+        # distinct, and only what does not fill a rank's share or a batch is left out
+        assert len(set(ids.tolist())) == len(ids)
+        assert n - len(ids) < ws + ws * bs
+    else:
+        # every id at least once; padding repeats fewer than world_size of them
+        assert set(ids.tolist()) == set(range(n))
+        assert len(ids) - n < ws
     for p, bs_of_rank in zip(plans, batches(plans), strict=True):
         lens = [len(b) for b in bs_of_rank]
         assert sum(lens) == len(p.ids)
+        # exactly batch_size, except each rank's last (never with drop_last)
+        assert all(x == bs for x in lens[:-1])
         if lens:
-            assert max(lens) - min(lens) <= 1
-            assert max(lens) <= bs
-            # a batch is empty only when the rank has fewer samples than batches
-            assert min(lens) >= 1 or len(p.ids) < p.num_batches
-        # batches tile the rank's ids in order
+            assert 1 <= lens[-1] <= bs and (lens[-1] == bs or not drop_last)
         assert p.bounds[0] == 0 and p.bounds[-1] == len(p.ids)
-        assert np.all(np.diff(p.bounds) >= 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 2000), ws=st.integers(1, 17), bs=st.integers(1, 300))
+def test_rescore_passes_take_every_sample_once(n: int, ws: int, bs: int) -> None:
+    plans = plan(n, phase="rescore", ws=ws, bs=bs)
+    np.testing.assert_array_equal(np.sort(flat_ids(plans)), np.arange(n))
+    assert len({p.num_batches for p in plans}) == 1
+    sizes = [len(p.ids) for p in plans]
+    assert max(sizes) - min(sizes) <= 1
