@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TYPES   := build/typecheck
 
 .PHONY: install demo test test-unit test-integration lint format typecheck bench \
-        bench-importance bench-cache bench-throughput bench-load clean
+        bench-importance bench-cache bench-throughput bench-load bench-hybrid bench-autotune clean
 
 install: $(STAMP)
 
@@ -47,7 +47,7 @@ lint: install typecheck
 	$(BIN)/ruff format --check loaderd client storage tests benchmarks
 	$(BIN)/ruff check loaderd client storage tests benchmarks
 
-bench: bench-importance bench-cache bench-throughput bench-load
+bench: bench-importance bench-cache bench-throughput bench-load bench-hybrid bench-autotune
 
 bench-importance: install
 	$(BIN)/python benchmarks/bench_importance.py
@@ -56,10 +56,19 @@ bench-cache: install
 	$(BIN)/python benchmarks/bench_cache.py
 
 bench-throughput: install
-	$(BIN)/python benchmarks/bench_throughput.py
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/pip install -q --no-deps -r benchmarks/requirements-streaming.txt
+	nice -n 19 $(BIN)/python benchmarks/bench_throughput.py
 
 bench-load: install
 	$(BIN)/python benchmarks/bench_load.py
+
+bench-hybrid: install
+	nice -n 19 $(BIN)/python benchmarks/bench_hybrid.py
+
+bench-autotune: install
+	$(BIN)/python benchmarks/bench_autotune.py
+	nice -n 19 $(BIN)/python benchmarks/bench_autotune_daemon.py
 
 clean:
 	rm -rf build $(TYPES) .pytest_cache .mypy_cache .ruff_cache demo-data

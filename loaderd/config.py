@@ -71,8 +71,12 @@ class PrefetchConfig:
 
     depth: int = 8  # batches assembled ahead of the first unassigned one, per rank and pass
     workers: int = 2  # assembly threads (LMDB reads and copies release the GIL)
+    # Store bytes asked of the kernel ahead of the passes (loaderd.readahead); 0: off.
+    readahead_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
+        if self.readahead_bytes < 0:
+            raise ValueError(f"`readahead_bytes` must be >= 0, got {self.readahead_bytes}")
         if self.depth < 0:
             raise ValueError(f"`depth` must be >= 0, got {self.depth}")
         if self.workers < 1:
@@ -85,7 +89,7 @@ class ShmConfig:
 
     enabled: bool = True
     slots: int | None = None  # None: ``auto_slots``, within a share of /dev/shm
-    slot_bytes: int | None = None  # None: one batch of the first shm job's batch size
+    slot_bytes: int | None = None  # None: sized per job (one ring per slot size needed)
     auto_slots: int = 32
 
     def __post_init__(self) -> None:
@@ -93,6 +97,142 @@ class ShmConfig:
             raise ValueError(f"`shm_slots` must be in 1..65536, got {self.slots}")
         if self.slot_bytes is not None and self.slot_bytes <= 0:
             raise ValueError(f"`shm_slot_bytes` must be positive, got {self.slot_bytes}")
+
+
+AUTOTUNE_MODES = ("q", "hill")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutotuneConfig:
+    """``serve --autotune``: a controller that moves the daemon's knobs while it serves.
+
+    Off (``mode`` None) unless asked for: on the changing-load benchmark neither controller
+    beat the fixed defaults beyond the run-to-run spread
+    (``benchmarks/results/autotune_daemon.md``).
+    """
+
+    mode: str | None = None  # None: off; "q": Q-learning (seed 001); "hill": hill-climbing
+    interval_s: float = 5.0  # one round: observe, learn, move one knob
+    memory_budget_bytes: int | None = None  # None: the DRAM cache plus the read-ahead budget
+    memory_weight: float = 0.3  # w in the seed's cost: 0 minds only stalls, 1 only memory
+    seed: int = 0  # of the Q-learner's exploration
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in AUTOTUNE_MODES:
+            raise ValueError(
+                f"`--autotune` must be one of {', '.join(AUTOTUNE_MODES)}, got {self.mode!r}"
+            )
+        if not (0.05 <= self.interval_s <= 3600):
+            raise ValueError(
+                f"`--autotune-interval` must be in [0.05, 3600] seconds, got {self.interval_s}"
+            )
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError(
+                f"`--autotune-budget` must be positive, got {self.memory_budget_bytes}"
+            )
+        if not 0.0 <= self.memory_weight <= 1.0:
+            raise ValueError(
+                f"`--autotune-memory-weight` must be in [0, 1], got {self.memory_weight}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a controller runs."""
+        return self.mode is not None
+
+
+_TCP_ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+MAX_NODES = 4096
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterConfig:
+    """One daemon per node: how this node's daemon finds the others (``loaderd.cluster``).
+
+    Without an ``address`` the daemon is a cluster of one. With one, the daemons of ``nodes``
+    nodes form a ``torch.distributed`` gloo group whose rendezvous store node 0 hosts at
+    ``address``.
+    """
+
+    address: str | None = None  # tcp://HOST:PORT of node 0's rendezvous store
+    nodes: int = 1
+    node_rank: int = 0
+    # How long the others wait for a node that is gone (to rejoin, or to answer a collective)
+    # before they fail with an error naming it.
+    timeout_s: float = 300.0
+    # Cadence of the exchange rounds: feedback waits at most this long for the next round.
+    round_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, bool) or not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"`nodes` must be in [1, {MAX_NODES}], got {self.nodes}")
+        if isinstance(self.node_rank, bool) or not 0 <= self.node_rank < self.nodes:
+            raise ValueError(
+                f"`node_rank` must be in [0, {self.nodes - 1}] for {self.nodes} nodes, "
+                f"got {self.node_rank}"
+            )
+        if self.address is None:
+            if self.nodes > 1:
+                raise ValueError(
+                    f"{self.nodes} nodes need a rendezvous `cluster` address (tcp://HOST:PORT)"
+                )
+        else:
+            m = _TCP_ADDRESS.match(self.address)
+            if m is None or not 1 <= int(m.group(2)) <= 65535:
+                raise ValueError(
+                    f"`cluster` must be tcp://HOST:PORT (node 0's address), got {self.address!r}"
+                )
+        if not self.timeout_s > 0:
+            raise ValueError(f"`cluster_timeout` must be positive, got {self.timeout_s}")
+        if not 0 < self.round_interval_s < self.timeout_s:
+            raise ValueError(
+                f"`round_interval_s` must be in (0, {self.timeout_s}), got {self.round_interval_s}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this daemon is part of a cluster (``address`` is set)."""
+        return self.address is not None
+
+    @property
+    def host(self) -> str:
+        """Node 0's host name or address (IPv6 without brackets)."""
+        assert self.address is not None, "not a cluster"
+        host = self.address[len("tcp://") :].rsplit(":", 1)[0]
+        return host[1:-1] if host.startswith("[") else host
+
+    @property
+    def port(self) -> int:
+        """The rendezvous store's TCP port."""
+        assert self.address is not None, "not a cluster"
+        return int(self.address.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LimitsConfig:
+    """What one client may make the daemon hold (checked by loaderd.limits)."""
+
+    # Each job is a state directory reloaded at every start, and its engine's arrays.
+    max_jobs: int = 64
+    # The engine keeps a loss column per classification epoch for every sample.
+    max_warmup_epochs: int = 64
+    # ZMQ_MAXMSGSIZE bounds one frame; these bound a whole request (a snapshot is one frame).
+    max_request_frames: int = 8
+    max_request_bytes: int = (1 << 30) + (1 << 20)
+    # One FEEDBACK's samples: recording them costs a few times their bytes.
+    max_feedback_samples: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_jobs",
+            "max_warmup_epochs",
+            "max_request_frames",
+            "max_request_bytes",
+            "max_feedback_samples",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,6 +246,9 @@ class DaemonConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     importance: ImportanceConfig = field(default_factory=ImportanceConfig)  # jobs' defaults
     shm: ShmConfig = field(default_factory=ShmConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    autotune: AutotuneConfig = field(default_factory=AutotuneConfig)
     max_batch_size: int = 65536
     # A consumer silent this long is gone and its batches go back to its rank (a local
     # consumer whose process exited is noticed at once, see loaderd.consumers).
@@ -113,6 +256,9 @@ class DaemonConfig:
     # A second, authenticated endpoint for other hosts: tcp:// with CURVE keys (loaderd.auth).
     tcp: str | None = None
     curve_dir: Path | None = None
+    # Jobs idle longer than this are removed when the daemon starts (loaderd.job_admin); 0 keeps
+    # every job.
+    job_retention_s: float = 30 * 86400.0
 
     def __post_init__(self) -> None:
         if not self.socket.startswith(("ipc://", "tcp://", "inproc://")):
@@ -122,3 +268,5 @@ class DaemonConfig:
         if self.socket.startswith("ipc://") and len(self.socket) - 6 > 100:
             # sockaddr_un holds 107 bytes; longer ipc paths fail late and obscurely in libzmq.
             raise ValueError(f"`socket` path is longer than 100 characters: {self.socket}")
+        if not self.job_retention_s >= 0:  # also refuses NaN
+            raise ValueError(f"`job_retention_s` must be >= 0, got {self.job_retention_s}")

@@ -10,23 +10,25 @@ then does the rank's next pass begin, so a restarted consumer resumes the pass i
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from loaderd import crashpoints
 from loaderd.client.errors import ErrorCode
+from loaderd.client.protocol import Phase
 from loaderd.cursor_log import Cursor, CursorLog
 from loaderd.importance import ImportanceConfig, ImportanceEngine
 from loaderd.journal import FeedbackJournal, read_json, write_atomic, write_json_atomic
-from loaderd.planner import RankPlan, plan_pass
+from loaderd.planner import RankPlan, num_batches, plan_pass
+from loaderd.storage.safe_files import mkdir_durable
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("train", "rescore")
 _LOG_LINES_PER_SAVE = 4096  # then job.json is written whole and the cursor log starts afresh
 MAX_WORLD_SIZE = 1 << 16
 
@@ -52,6 +54,30 @@ class NotReady(Exception):  # a state, not a failure: the caller retries later
     """The pass cannot start yet (other ranks are still re-scoring its epoch)."""
 
 
+def pass_inputs(
+    engine: ImportanceEngine, seed: int, epoch: int, phase: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a pass is planned over: the epoch's selection, or its samples to re-score.
+
+    The one place a pass's samples come from, for a daemon alone (``Job``) and for a cluster
+    (``loaderd.cluster_jobs``, which calls it at the same point of the history on every node).
+    """
+    if phase == "train":
+        return engine.select(epoch, seed)
+    ids = engine.rescore_ids(epoch).astype(np.int64)
+    return ids, np.ones(len(ids), np.float32)
+
+
+class PassInputs(Protocol):
+    """Where a job's passes come from when another part decides them (a cluster of daemons)."""
+
+    def __call__(
+        self, job: Job, rank: int, epoch: int, phase: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The pass's (ids, weights); raises NotReady until it is decided."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class JobSpec:
     """What identifies a job; every client of the job must agree on it."""
@@ -61,6 +87,7 @@ class JobSpec:
     seed: int
     batch_size: int
     options: dict[str, Any] = field(default_factory=dict)
+    drop_last: bool = False  # PyTorch's rule: each rank's short last batch is dropped
 
     def check(self, max_batch_size: int) -> None:
         """Validate the numbers (ValueError naming the field)."""
@@ -72,6 +99,8 @@ class JobSpec:
             )
         if not 1 <= self.batch_size <= max_batch_size:
             raise JobError(f"`batch_size` must be in [1, {max_batch_size}], got {self.batch_size}")
+        if not isinstance(self.drop_last, bool):
+            raise JobError(f"`drop_last` must be a bool, got {self.drop_last!r}")
 
 
 @dataclass(slots=True)
@@ -84,6 +113,9 @@ class PassState:
     queue: deque[int] = field(default_factory=deque)
     inflight: dict[int, int] = field(default_factory=dict)  # batch index -> worker
     acked: set[int] = field(default_factory=set)
+    # A consumer said the pass is over for it after its feedback was recorded: a batch is
+    # acknowledged before the trainer sends its losses, so "complete" alone may come early.
+    ended: bool = False
 
     @classmethod
     def start(
@@ -151,6 +183,10 @@ class Job:
         num_samples: the store's sample count.
         engine_defaults: the daemon-wide importance defaults, overridden by ``spec.options``.
         state_dir: where the job's state lives (created); None keeps it in memory only.
+        inputs: decides the passes instead of this job's own engine (a cluster of daemons:
+            its re-score barrier spans every node's ranks, so the job's own is not used).
+        store: the fingerprint of the store the job is built on; saved state of another
+            store is refused (JOB_CONFLICT), never silently continued.
     """
 
     def __init__(
@@ -159,13 +195,19 @@ class Job:
         num_samples: int,
         engine_defaults: ImportanceConfig,
         state_dir: Path | None,
+        inputs: PassInputs | None = None,
+        store: str = "",
     ) -> None:
         self.spec = spec
+        self.inputs = inputs
+        self.store = store
+        self.last_active = time.time()  # of the last request; the retention rule reads it
         self.num_samples = num_samples
         try:
             config = ImportanceConfig.from_options(spec.options, engine_defaults)
         except ValueError as e:
             raise JobError(f"job {spec.name!r}: {e}") from e
+        self.config = config
         self.engine = ImportanceEngine(num_samples, config)
         self.passes: list[PassState | None] = [None] * spec.world_size
         self.served_epoch = np.full(num_samples, -1, np.int32)
@@ -181,7 +223,7 @@ class Job:
         self._new_pass = False  # a pass started since job.json was written
         self._generation = 0  # of job.json, which the cursor log continues
         if state_dir is not None:
-            state_dir.mkdir(parents=True, exist_ok=True)
+            mkdir_durable(state_dir)  # a power loss must not drop the job with its feedback
             self._load()
             self.journal = FeedbackJournal(state_dir / "feedback.log")
             self.cursor_log = CursorLog(state_dir / "cursors.log", self._generation)
@@ -222,14 +264,16 @@ class Job:
             NotReady: the epoch's training plan waits for other ranks' re-scoring.
         """
         self.check_rank(rank)
-        if phase not in PHASES:
-            raise JobError(f"unknown phase {phase!r}, expected one of {PHASES}")
+        if phase not in Phase.__members__.values():
+            raise JobError(f"unknown phase {phase!r}, expected one of {[p.value for p in Phase]}")
         cur = self.passes[rank]
+        if cur is not None and cur.complete:
+            cur.ended = True  # the consumer moved on: its feedback came before this request
         delivered: list[int] = []
         if resume is not None and resume.rewind:
             if phase == "train":
                 self._check_rescored(resume.epoch)
-            plan = self._plan(resume.epoch, phase)[rank]
+            plan = self._plan(resume.epoch, phase, rank)[rank]
             state = PassState.start(resume.epoch, phase, plan, set(resume.delivered))
             self.passes[rank] = state
             self._dirty = self._new_pass = True
@@ -259,7 +303,7 @@ class Job:
             return cur
         if phase == "train":
             self._check_rescored(epoch)
-        plan = self._plan(epoch, phase)[rank]
+        plan = self._plan(epoch, phase, rank)[rank]
         state = PassState.start(epoch, phase, plan)
         self.passes[rank] = state
         self._dirty = self._new_pass = True
@@ -295,6 +339,8 @@ class Job:
         of (seed, epoch, statistics): otherwise the first rank to finish its share would rank
         the samples before a slower rank's re-scores arrived, and the plan would depend on timing.
         """
+        if self.inputs is not None:
+            return  # the cluster's barrier (``loaderd.cluster_view``) decides
         if epoch in self._selections or not len(self.engine.rescore_ids(epoch)):
             return
         if self.dir is not None and (self.dir / f"selection-{epoch}.npz").exists():
@@ -302,10 +348,19 @@ class Job:
         at_epoch = [p for p in self.passes if p is not None and p.epoch == epoch]
         if not any(p.phase == "rescore" for p in at_epoch):
             return  # nobody re-scores this epoch: the latest losses stand
-        done = sum(1 for p in at_epoch if p.phase == "train" or p.complete)
-        if done < self.spec.world_size:
+        done = {
+            r
+            for r, p in enumerate(self.passes)
+            if p is not None
+            and p.epoch == epoch
+            and (p.phase == "train" or (p.complete and p.ended))
+        }
+        if len(done) < self.spec.world_size:
+            waiting = [r for r in range(self.spec.world_size) if r not in done]
+            shown = ", ".join(map(str, waiting[:16])) + (", ..." if len(waiting) > 16 else "")
             raise NotReady(
-                f"epoch {epoch} waits for {self.spec.world_size - done} ranks to re-score it"
+                f"job {self.spec.name!r} epoch {epoch} is planned from every rank's re-scores: "
+                f"waiting for rank(s) {shown} to finish re-scoring it"
             )
 
     def get_pass(self, rank: int, epoch: int, phase: str) -> PassState | None:
@@ -369,15 +424,16 @@ class Job:
                 self.cursor_log.ack(rank, state.epoch, state.phase, done)
             crashpoints.hit("ack")
 
-    def _plan(self, epoch: int, phase: str) -> list[RankPlan]:
+    def _plan(self, epoch: int, phase: str, rank: int) -> list[RankPlan]:
         key = (epoch, phase)
         plans = self._plans.get(key)
         if plans is None:
-            if phase == "train":
+            if self.inputs is not None:
+                ids, weights = self.inputs(self, rank, epoch, phase)
+            elif phase == "train":
                 ids, weights = self.selection(epoch)
             else:
-                ids = self.engine.rescore_ids(epoch).astype(np.int64)
-                weights = np.ones(len(ids), np.float32)
+                ids, weights = pass_inputs(self.engine, self.spec.seed, epoch, phase)
             plans = plan_pass(
                 ids,
                 weights,
@@ -386,10 +442,37 @@ class Job:
                 phase=phase,
                 world_size=self.spec.world_size,
                 batch_size=self.spec.batch_size,
+                drop_last=self.spec.drop_last,
             )
             self._plans = {k: v for k, v in self._plans.items() if k[0] >= epoch - 1}
             self._plans[key] = plans
         return plans
+
+    def coming_batches(self, rank: int) -> tuple[int, int | None]:
+        """(epoch, batches) of the rank's coming training pass, without planning it.
+
+        An unfinished pass counts what is not yet acknowledged. The next epoch's count is
+        known when it trains every sample or its selection is made; None otherwise (a
+        selecting sampler draws its size).
+        """
+        self.check_rank(rank)
+        cur = self.passes[rank]
+        if cur is not None and cur.phase == "train" and not cur.complete:
+            return cur.epoch, cur.plan.num_batches - len(cur.acked)
+        epoch = self._next_epoch(cur, "train")
+        size: int | None = None
+        if (epoch, "train") in self._plans:
+            return epoch, self._plans[(epoch, "train")][rank].num_batches
+        if epoch in self._selections:
+            size = len(self._selections[epoch][0])
+        elif self.dir is not None and (self.dir / f"selection-{epoch}.npz").exists():
+            size = len(self.selection(epoch)[0])
+        elif self.engine.selects_all(epoch):
+            size = self.num_samples
+        if size is None:
+            return epoch, None
+        spec = self.spec
+        return epoch, num_batches(size, spec.world_size, spec.batch_size, spec.drop_last)
 
     def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's selected samples: computed once, then persisted, so all ranks agree."""
@@ -400,7 +483,7 @@ class Job:
                 with np.load(path) as z:
                     sel = (z["ids"], z["weights"])
             else:
-                sel = self.engine.select(epoch, self.spec.seed)
+                sel = pass_inputs(self.engine, self.spec.seed, epoch, "train")
                 if path is not None:
                     self._save_arrays(path, {"ids": sel[0], "weights": sel[1]})
                     self.save_engine()
@@ -419,6 +502,20 @@ class Job:
         Raises:
             JobError: an id is outside the dataset or a loss is not finite.
         """
+        for e, sel_ids, sel_losses in self.feedback_blocks(ids, losses):
+            if self.journal is not None:  # journalled first: a failed append changes nothing
+                self.journal.append(e, kind, sel_ids, sel_losses)
+                crashpoints.hit("journal-append")
+            self.engine.record(sel_ids, sel_losses, e, kind)
+
+    def feedback_blocks(
+        self, ids: np.ndarray, losses: np.ndarray
+    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Validated feedback split by the epoch in which each sample was last served here.
+
+        Raises:
+            JobError: an id is outside the dataset or a loss is not finite.
+        """
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
             bad = int(ids[(ids < 0) | (ids >= self.num_samples)][0])
             raise JobError(f"feedback for sample {bad}, but the dataset has {self.num_samples}")
@@ -427,13 +524,11 @@ class Job:
             raise JobError(f"feedback for sample {bad} has a non-finite loss")
         epochs = self.served_epoch[ids]
         epochs = np.where(epochs < 0, self.epoch, epochs)
+        blocks = []
         for e in np.unique(epochs):
             mask = epochs == e
-            sel_ids, sel_losses = (ids, losses) if mask.all() else (ids[mask], losses[mask])
-            self.engine.record(sel_ids, sel_losses, int(e), kind)
-            if self.journal is not None:
-                self.journal.append(int(e), kind, sel_ids, sel_losses)
-                crashpoints.hit("journal-append")
+            blocks.append((int(e), *((ids, losses) if mask.all() else (ids[mask], losses[mask]))))
+        return blocks
 
     # --- state --------------------------------------------------------------------------------
 
@@ -450,6 +545,9 @@ class Job:
         """The job's counters and its importance engine's view."""
         return {
             "epoch": self.epoch,
+            "sampler": self.config.sampler,
+            "last_active": self.last_active,
+            "store": self.store,
             "world_size": self.spec.world_size,
             "batch_size": self.spec.batch_size,
             "seed": self.spec.seed,
@@ -500,6 +598,8 @@ class Job:
             self.dir / "job.json",
             {
                 "spec": asdict(self.spec),
+                "store": self.store,
+                "last_active": self.last_active,
                 "cursor_generation": generation,
                 "counters": self.counters,
                 "ranks": [
@@ -508,6 +608,7 @@ class Job:
                     else {
                         "epoch": p.epoch,
                         "phase": p.phase,
+                        "batches": p.plan.num_batches,
                         "acked": sorted(p.acked),
                         "inflight": [[i, w] for i, w in sorted(p.inflight.items())],
                     }
@@ -545,8 +646,20 @@ class Job:
         old = JobSpec(**saved["spec"])
         if old != self.spec:
             raise JobError(
-                f"job {self.spec.name!r} exists with {old}, not {self.spec}", ErrorCode.JOB_CONFLICT
+                f"job {self.spec.name!r} exists with {asdict(old)}, not {asdict(self.spec)}: "
+                f"{reset_hint(self.spec.name)}",
+                ErrorCode.JOB_CONFLICT,
             )
+        saved_store = str(saved.get("store", ""))
+        if saved_store and self.store and saved_store != self.store:
+            raise JobError(
+                f"job {self.spec.name!r} was built on another store (fingerprint {saved_store}, "
+                f"this daemon serves {self.store}): {reset_hint(self.spec.name)}",
+                ErrorCode.JOB_CONFLICT,
+            )
+        last = saved.get("last_active")
+        if isinstance(last, int | float):
+            self.last_active = float(last)
         counters = saved.get("counters", {})
         self.batches_served = int(counters.get("batches_served", 0))
         self.samples_served = int(counters.get("samples_served", 0))
@@ -563,16 +676,30 @@ class Job:
         self._generation = int(saved.get("cursor_generation", 0))
         for rank, c in enumerate(cursors):
             if c is not None:
-                plan = self._plan(c["epoch"], c["phase"])[rank]
-                self.passes[rank] = PassState.start(
-                    c["epoch"], c["phase"], plan, c["acked"], c["inflight"]
-                )
+                try:
+                    plan = self._plan(c["epoch"], c["phase"], rank)[rank]
+                except NotReady:  # its decision was lost: the rank opens the pass again
+                    logger.warning("job %s rank %d: pass not decided", self.spec.name, rank)
+                    continue
+                state = PassState.start(c["epoch"], c["phase"], plan, c["acked"], c["inflight"])
+                state.ended = state.complete  # its consumers may be waiting for the next pass
+                self.passes[rank] = state
         logger.info(
             "job %s: restored at epoch %d (%d feedback samples replayed)",
             self.spec.name,
             self.epoch,
             replayed,
         )
+
+    def discard(self) -> None:
+        """Close the job's files without writing anything (it is being reset)."""
+        if self.journal is not None and not self.journal.closed:
+            self.journal.close()
+        if self.cursor_log is not None:
+            self.cursor_log.close()
+        self.journal = None
+        self.cursor_log = None
+        self.dir = None  # whatever still holds this object can no longer write the state
 
     def close(self) -> None:
         """Persist everything and close the journal (safe to call twice)."""
@@ -582,6 +709,11 @@ class Job:
             self.journal.close()
             if self.cursor_log is not None:
                 self.cursor_log.close()
+
+
+def reset_hint(name: str) -> str:
+    """How to get out of a job conflict: said by every JOB_CONFLICT."""
+    return f"`loaderd jobs reset {name}` forgets the old job, or use another job name"
 
 
 def load_cursors(state_dir: Path, saved: dict[str, Any], world_size: int) -> list[Cursor | None]:

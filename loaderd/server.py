@@ -7,7 +7,6 @@ failure of a request becomes an ERROR reply naming what went wrong; the loop kee
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -16,19 +15,21 @@ from collections.abc import Callable
 from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from loaderd import __version__, crashpoints
-from loaderd.auth import CurveServer
+from loaderd import __version__, autotune_daemon, crashpoints
+from loaderd.auth import is_curve_peer, secure_tcp
 from loaderd.client.errors import ErrorCode, ProtocolError
 from loaderd.client.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    BatchKey,
     FieldSpec,
     Message,
     MsgType,
+    VersionError,
     check_int_list,
     check_request,
     decode,
@@ -40,52 +41,34 @@ from loaderd.client.protocol import (
 from loaderd.config import DaemonConfig
 from loaderd.consumers import Consumers
 from loaderd.importance_plot import histograms
-from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume
+from loaderd.job_admin import remove_job_dir, sweep
+from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
+from loaderd.limits import check_hello, check_request_size, check_rewind
+from loaderd.outbox import After, Outbox
 from loaderd.prefetch import Assembler, Prefetcher
+from loaderd.readahead import ReadAhead
 from loaderd.shm_delivery import ShmDelivery
 from loaderd.snapshots import Snapshots
+from loaderd.state_writes import DAMAGED_STATE_ERRORS, durability_failure, quarantine
 from loaderd.stats import build_stats
 from loaderd.storage.errors import CorruptRecordError, StorageError
+from loaderd.storage.safe_files import (
+    PathLock,
+    private_dir,
+    remove_stale_socket,
+    socket_dir,
+)
 from loaderd.storage.store import SampleStore
 from loaderd.tiering import Placement, build_tiers
 
+if TYPE_CHECKING:
+    from loaderd.cluster_jobs import ClusterJobs
+
 logger = logging.getLogger(__name__)
 
-BatchKey = tuple[str, int, int, str, int]  # job, rank, epoch, phase, batch index
 _TICK_S = 0.5
+_WAITING_EVERY_S = 5.0
 _MAX_ACKS = 1 << 16
-
-
-class DaemonLockedError(RuntimeError):
-    """Another live daemon holds the socket path or the state directory."""
-
-
-class PathLock:
-    """An exclusive ``flock`` on a file that dies with the process holding it.
-
-    A crashed daemon's lock is released by the kernel, so a restart with the same command
-    always works, while a live daemon can never be displaced.
-    """
-
-    def __init__(self, path: Path, what: str) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise DaemonLockedError(
-                f"{what} is already served by a live daemon (pid {holder})"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        """Drop the lock (safe to call twice)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class Server:
@@ -100,8 +83,10 @@ class Server:
         self.job_defaults = config.importance
         self.started = time.monotonic()
         self._locks: list[PathLock] = []
-        self.state_dir = config.state_dir
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Locks, private directories and the TCP policy come before the store and the pools
+        # open: a daemon that must refuse to start refuses before it allocates anything.
+        self.state_dir = private_dir(config.state_dir, "state directory")
+        self._curve = secure_tcp(config)  # reads the keys; binds nothing yet
         self._locks.append(
             PathLock(self.state_dir / "daemon.lock", f"state directory {self.state_dir}")
         )
@@ -109,48 +94,55 @@ class Server:
             Path(config.socket[len("ipc://") :]) if config.socket.startswith("ipc://") else None
         )
         if self.ipc_path is not None:
-            self.ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            socket_dir(self.ipc_path.parent)
             self._locks.append(
                 PathLock(
                     self.ipc_path.with_name(self.ipc_path.name + ".lock"), f"socket {config.socket}"
                 )
             )
-            self.ipc_path.unlink(missing_ok=True)  # stale: its owner's lock is gone
+            remove_stale_socket(self.ipc_path)  # its owner's lock is gone
         self.store = SampleStore(config.db)
+        self._store_id = self.store.fingerprint.hex()  # jobs are bound to the store they use
         self.tiers = build_tiers(config.cache, self.store)
         self.placement = Placement(self.tiers)
-        self.snapshots = Snapshots(self.tiers.arena)
-        self.schema = [FieldSpec(f.name, f.dtype, f.shape) for f in self.store.schema.fields]
-        self.shm = ShmDelivery(
-            config.shm,
-            self.schema,
-            self.store.total_bytes // max(self.store.num_samples, 1),
-        )
+        self.snapshots = Snapshots(self.tiers.arena, self.state_dir / "snapshots")
+        self.schema = [FieldSpec.from_json(f.to_json()) for f in self.store.schema.fields]
+        self.consumers = Consumers(config.consumer_timeout_s)
+        assembler = Assembler(self.tiers, self.store.schema)
+        self.shm = ShmDelivery(config.shm, slot_estimate(assembler), self.consumers)
         self.prefetcher = Prefetcher(
-            self.shm.assembler(Assembler(self.tiers, self.store.schema)).assemble,
+            assembler,
             config.prefetch.workers,
+            allocator_for=self.shm.allocator_for,
             on_discard=self.shm.discard,
+            max_workers=autotune_daemon.max_workers(config),
         )
+        self.readahead = ReadAhead(self.store, self.tiers.cached, config.prefetch.readahead_bytes)
+        self.prefetch_depth = config.prefetch.depth  # `--autotune` moves it while serving
+        self.autotune = autotune_daemon.build(self) if config.autotune.enabled else None
         self.jobs: dict[str, Job] = {}
+        # One daemon per node: jobs' feedback and plans go through the cluster's rounds.
+        self.cluster: ClusterJobs | None = None
+        if config.cluster.enabled:  # imported here: it loads torch.distributed
+            from loaderd.cluster_jobs import ClusterJobs
+
+            self.cluster = ClusterJobs(
+                config.cluster, self.store.fingerprint, self.state_dir, self._open_job
+            )
         self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
         self._parked_opens: list[tuple[bytes, Message]] = []
-        # FEEDBACK is acknowledged only once journalled and fsynced: one fsync per loop turn
-        # covers every feedback that arrived in it (group commit).
-        self._unsynced: list[tuple[bytes, Message]] = []
-        # Batches ready when asked for go out only after the loop turn's cursors are written,
-        # so a batch a trainer may hold is never handed to another consumer after a crash.
-        self._ready: list[BatchKey] = []
-        # ACK replies wait for the cursor commit too: an acknowledged ACK is never lost.
-        self._acked_replies: list[tuple[bytes, Message]] = []
-        self.consumers = Consumers(config.consumer_timeout_s)
+        self._waiting_noted: dict[tuple[bytes, int], float] = {}  # parked open -> last WAITING
+        # Replies that promise something durable wait for the loop turn's commit.
+        self.outbox = Outbox(self._send, self._deliver)
         self._load_jobs()
+        if self.cluster is not None:
+            self.cluster.start()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
         set_heartbeats(self.sock)
-        self._curve = secure_tcp(config)  # before binding anything: refuse to start unsafely
         self.sock.bind(config.socket)
         self._local = config.socket.startswith(("ipc://", "inproc://"))  # peers' pids are ours
         if self._curve is not None and config.tcp is not None:
@@ -171,6 +163,8 @@ class Server:
             MsgType.STATS: self._stats,
             MsgType.SNAPSHOT_PUT: self.snapshots.put,
             MsgType.SNAPSHOT_GET: self.snapshots.get,
+            MsgType.PASS_INFO: self._pass_info,
+            MsgType.JOB_RESET: self._reset_job,
         }
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -180,6 +174,8 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.prefetcher.wake_fd, zmq.POLLIN)
+        if self.cluster is not None:
+            poller.register(self.cluster.wake_fd, zmq.POLLIN)
         logger.info(
             "ready: serving %s (%d samples) on %s",
             self.store.path,
@@ -197,42 +193,48 @@ class Server:
                         except zmq.Again:
                             break
                         self._dispatch(frames)
-                    self._commit_cursors()
-                    self._commit_feedback()
+                    self._commit()
                 if self.prefetcher.wake_fd in events:
                     for key in self.prefetcher.completed():
-                        self._deliver(key)
+                        self._deliver(BatchKey(*key))
+                if self.cluster is not None:
+                    self._cluster_turn(self.cluster.wake_fd in events)
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + _TICK_S
+                if self.autotune is not None:
+                    self.autotune.turn(self._waiting)
         finally:
             self.close()
 
-    def _commit_cursors(self) -> None:
-        """Write changed cursors, then send the batches that were waiting for them.
+    def _commit(self) -> None:
+        """Make this loop turn's changes durable, then send what waited for them.
 
-        No fsync: the page cache outlives a daemon crash, and a machine crash takes the
-        trainers (and what they hold) down with it; the tick's save is the fsynced one.
+        Cursors are written without fsync: the page cache outlives a daemon crash, and a
+        machine crash takes the trainers (and what they hold) down with it; the tick's save
+        is the fsynced one. Feedback is fsynced, once for the whole turn (group commit).
         """
-        for job in self.jobs.values():
-            job.commit_cursors()
+        if durability_failure(job.commit_cursors for job in self.jobs.values()) is not None:
+            return  # nothing waiting on a cursor goes out before it is written: next turn
         crashpoints.hit("commit")
-        ready, self._ready = self._ready, []
-        for key in ready:
-            self._deliver(key)
-        replies, self._acked_replies = self._acked_replies, []
-        for identity, reply in replies:
-            self._send(identity, reply)
+        self.outbox.release(After.CURSORS)
+        if self.outbox.waiting_for(After.JOURNAL):
+            syncs = [job.journal.sync for job in self.jobs.values() if job.journal is not None]
+            if self.cluster is not None:
+                syncs.insert(0, self.cluster.sync)  # the node's outbox holds this turn's feedback
+            failed = durability_failure(syncs)
+            self.outbox.release(After.JOURNAL, None if failed is None else failed.reply_to)
 
-    def _commit_feedback(self) -> None:
-        if not self._unsynced:
-            return
-        for job in self.jobs.values():
-            if job.journal is not None:
-                job.journal.sync()
-        for identity, reply in self._unsynced:
-            self._send(identity, reply)
-        self._unsynced.clear()
+    def _cluster_turn(self, woken: bool) -> None:
+        """Apply the cluster's new rounds and publish where this node's ranks are.
+
+        Opens waiting for a pass the rounds decided go on. Raises ClusterError when the
+        cluster failed: the daemon stops with its message.
+        """
+        assert self.cluster is not None
+        if woken and self.cluster.apply():
+            self._retry_parked()
+        self.cluster.publish(self.jobs)
 
     def _tick(self) -> None:
         self._retry_parked()
@@ -248,8 +250,7 @@ class Server:
                     worker,
                 )
         self.shm.check_dead()
-        for job in self.jobs.values():
-            job.save()
+        durability_failure(job.save for job in self.jobs.values())
 
     def close(self) -> None:
         """Flush every job's state, close the socket and remove the socket file (idempotent)."""
@@ -259,10 +260,12 @@ class Server:
         if self._curve is not None:
             self._curve.close()
         self.ctx.term()
+        if self.cluster is not None:
+            self.cluster.close()
+        self.readahead.close()
         self.prefetcher.close()
         self.shm.close()
-        for job in self.jobs.values():
-            job.close()
+        durability_failure(job.close for job in self.jobs.values())
         self.snapshots.close()
         self.tiers.close()
         if self.ipc_path is not None:
@@ -274,18 +277,51 @@ class Server:
     def _load_jobs(self) -> None:
         from loaderd.journal import read_json
 
+        sweep(self.state_dir, self.config.job_retention_s)  # idle jobs do not pile up
         for path in sorted((self.state_dir / "jobs").glob("*/job.json")):
-            saved = read_json(path)
             try:
+                saved = read_json(path)
                 spec = JobSpec(**saved["spec"])
-                job = self.jobs[spec.name] = Job(
-                    spec, self.store.num_samples, self.job_defaults, path.parent
-                )
+                job = self.jobs[spec.name] = self._make_job(spec)
                 for rank, state in enumerate(job.passes):
                     for worker in set(state.inflight.values()) if state else ():
                         self.consumers.restored((spec.name, rank, worker))
-            except (JobError, KeyError, TypeError, ValueError) as e:
-                logger.warning("skipping saved job in %s: %s", path.parent, e)
+            except DAMAGED_STATE_ERRORS as e:
+                if isinstance(e, JobError) and e.code == ErrorCode.JOB_CONFLICT:
+                    # Whole, but of another store: refused when asked for, kept on disk until
+                    # `loaderd jobs reset`. Only damaged state is quarantined.
+                    logger.warning("job in %s not loaded: %s", path.parent, e)
+                    continue
+                quarantine(path.parent, self.state_dir, e)  # serve the other jobs
+
+    def _make_job(self, spec: JobSpec) -> Job:
+        """A job object over its state directory (in a cluster: kept by the cluster)."""
+        job = Job(
+            spec,
+            self.store.num_samples,
+            self.job_defaults,
+            self.state_dir / "jobs" / spec.name,
+            inputs=None if self.cluster is None else self.cluster.inputs,
+            store=self._store_id,
+        )
+        if self.cluster is not None:
+            self.cluster.attach(job)
+        return job
+
+    def _open_job(self, spec: JobSpec) -> Job:
+        """The job named by ``spec``, created if new (JobError: another spec of that name)."""
+        job = self.jobs.get(spec.name)
+        if job is None:
+            job = self.jobs[spec.name] = self._make_job(spec)
+            job.save(force=True)
+            logger.info("job %s opened: %s", spec.name, spec)
+        elif job.spec != spec:
+            raise JobError(
+                f"job {spec.name!r} is running with {asdict(job.spec)}, "
+                f"this client asked for {asdict(spec)}: {reset_hint(spec.name)}",
+                ErrorCode.JOB_CONFLICT,
+            )
+        return job
 
     # --- dispatch -----------------------------------------------------------------------------
 
@@ -294,14 +330,21 @@ class Server:
         if self._curve is not None:
             self._local = not is_curve_peer(frames[-1])  # a remote pid means nothing here
         try:
+            if not self._local and self._curve is not None and not self._curve.admits(frames[-1]):
+                raise JobError(
+                    "this client's key was removed from authorized/", ErrorCode.UNAUTHORIZED
+                )
             msg = decode(body)
             check_request(msg)
+            check_request_size(msg, self.config.limits)
             handler = self._handlers.get(msg.type)
             if handler is None:  # a request of a newer protocol, or of a part not built in
                 raise JobError(
                     f"this daemon does not handle {msg.type.name}", ErrorCode.UNKNOWN_TYPE
                 )
             reply = handler(identity, msg)
+        except VersionError as e:
+            reply = error_message(peek_request_id(body), ErrorCode.BAD_VERSION, str(e))
         except ProtocolError as e:
             reply = error_message(peek_request_id(body), ErrorCode.BAD_MESSAGE, str(e))
         except JobError as e:
@@ -327,6 +370,7 @@ class Server:
         job = self.jobs.get(meta["job"])
         if job is None:
             raise JobError(f"unknown job {meta['job']!r}: send HELLO first", ErrorCode.UNKNOWN_JOB)
+        job.last_active = time.time()
         return job
 
     # --- handlers -----------------------------------------------------------------------------
@@ -345,22 +389,24 @@ class Server:
 
     def _hello(self, identity: bytes, msg: Message) -> Message:
         m = msg.meta
-        spec = JobSpec(m["job"], m["world_size"], m["seed"], m["batch_size"], m["options"])
-        spec.check(self.config.max_batch_size)
-        job = self.jobs.get(spec.name)
-        if job is None:
-            job = Job(
-                spec, self.store.num_samples, self.job_defaults, self.state_dir / "jobs" / spec.name
-            )
-            self.jobs[spec.name] = job
-            job.save(force=True)
-            logger.info("job %s opened: %s", spec.name, spec)
-        elif job.spec != spec:
+        if m.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
             raise JobError(
-                f"job {spec.name!r} is running with {asdict(job.spec)}, "
-                f"this client asked for {asdict(spec)}",
-                ErrorCode.JOB_CONFLICT,
+                f"client of job {m['job']!r} speaks protocol {m.get('version')!r}, this daemon "
+                f"{PROTOCOL_VERSION}: run the same loaderd version on both sides",
+                ErrorCode.BAD_VERSION,
             )
+        spec = JobSpec(
+            m["job"],
+            m["world_size"],
+            m["seed"],
+            m["batch_size"],
+            m["options"],
+            m.get("drop_last", False),
+        )
+        spec.check(self.config.max_batch_size)
+        check_hello(spec, self.jobs.keys(), self.config.limits)
+        job = self._open_job(spec)
+        job.last_active = time.time()
         job.check_rank(m["rank"])
         self.consumers.hello(identity, m.get("pid"), m.get("pidns"), self._local)
         return Message(
@@ -379,12 +425,14 @@ class Server:
         job = self._job(m)
         self.shm.reclaim(identity)  # what this consumer held and never acknowledged is lost
         resume = parse_resume(m.get("resume"))
+        check_rewind(job, resume)
         job.check_rank(m["rank"])
         self.consumers.seen((job.spec.name, m["rank"], m["worker"]), identity)
         try:
             state = job.open_pass(m["rank"], m["worker"], m["phase"], resume)
-        except NotReady:
+        except NotReady as e:
             self._parked_opens.append((identity, msg))
+            self._note_waiting(identity, msg.request_id, str(e))
             return None
         self._forget_other_passes(job, m["rank"], state)
         self.placement.on_pass(job, state)
@@ -399,16 +447,41 @@ class Server:
             },
         )
 
+    def _pass_info(self, identity: bytes, msg: Message) -> Message:
+        m = msg.meta
+        if m["phase"] != "train":
+            raise JobError(f"PASS_INFO: only the train pass has a length, not {m['phase']!r}")
+        epoch, batches = self._job(m).coming_batches(m["rank"])
+        return Message(
+            MsgType.PASS, msg.request_id, {"epoch": epoch, "phase": "train", "batches": batches}
+        )
+
+    def _note_waiting(self, identity: bytes, request_id: int, why: str) -> None:
+        """Tell a parked client why it waits (at once, then every few seconds).
+
+        Its reply may take longer than its timeout; a WAITING note keeps it from taking the
+        silence for a dead daemon, and says which ranks it waits for.
+        """
+        now, key = time.monotonic(), (identity, request_id)
+        last = self._waiting_noted.get(key)
+        if last is None or now - last >= _WAITING_EVERY_S:
+            self._waiting_noted[key] = now
+            note = {"message": why, "again_s": _WAITING_EVERY_S}
+            self._send(identity, Message(MsgType.WAITING, request_id, note))
+
     def _retry_parked(self) -> None:
         parked, self._parked_opens = self._parked_opens, []
         for identity, msg in parked:
             reply = self._open_pass(identity, msg)
             if reply is not None:
                 self._send(identity, reply)
+        still = {(identity, msg.request_id) for identity, msg in self._parked_opens}
+        self._waiting_noted = {k: t for k, t in self._waiting_noted.items() if k in still}
 
     def _get_batch(self, identity: bytes, msg: Message) -> Message | None:
         m = msg.meta
         job = self._job(m)
+        check_int_list("release", m.get("release", []), _MAX_ACKS)
         self.shm.release_acked(identity, m)
         rank, epoch, phase = m["rank"], m["epoch"], m["phase"]
         state = job.get_pass(rank, epoch, phase)
@@ -423,28 +496,31 @@ class Server:
                 self._retry_parked()
             return end
         index, ids, weights = got
-        key: BatchKey = (job.spec.name, rank, epoch, phase, index)
+        key = BatchKey(job.spec.name, rank, epoch, phase, index)
         fut = self.prefetcher.submit(key, ids, weights)
         self._prefetch_ahead(job, rank, state)
         self._waiting.setdefault(key, []).append((identity, msg.request_id))
         if fut.done():
-            self._ready.append(key)  # sent once the assignment is written (_commit_cursors)
+            self.outbox.hold_batch(key)  # sent once the assignment is written
         return None
 
     def _prefetch_ahead(self, job: Job, rank: int, state: PassState) -> None:
-        for index in islice(state.queue, self.config.prefetch.depth):
+        for index in islice(state.queue, self.prefetch_depth):
             ids, weights = state.plan.batch(index)
             self.prefetcher.submit(
-                (job.spec.name, rank, state.epoch, state.phase, index), ids, weights
+                BatchKey(job.spec.name, rank, state.epoch, state.phase, index), ids, weights
             )
+        head = state.queue[0] if state.queue else state.plan.num_batches
+        self.readahead.follow((job.spec.name, rank, state.epoch, state.phase), state.plan, head)
 
     def _forget_other_passes(self, job: Job, rank: int, state: PassState) -> None:
         name, cur = job.spec.name, (state.epoch, state.phase)
-        self.prefetcher.drop(
-            lambda k: (
-                k not in self._waiting and k[0] == name and k[1] == rank and (k[2], k[3]) != cur
-            )
-        )
+
+        def other(k: tuple[Any, ...]) -> bool:
+            return k[0] == name and k[1] == rank and (k[2], k[3]) != cur
+
+        self.prefetcher.drop(lambda k: k not in self._waiting and other(k))
+        self.readahead.drop(other)
 
     def _deliver(self, key: BatchKey) -> None:
         """Send an assembled batch to whoever is waiting for it."""
@@ -489,26 +565,69 @@ class Server:
     def _ack(self, identity: bytes, msg: Message) -> None:
         m = msg.meta
         job = self._job(m)
+        check_int_list("release", m.get("release", []), _MAX_ACKS)
         self.shm.release_acked(identity, m)
         state = job.get_pass(m["rank"], m["epoch"], m["phase"])
-        self.consumers.seen((job.spec.name, m["rank"], m["worker"]), identity)
+        if not loop_ack(m):  # the loop's process acknowledging is not a consumer's liveness
+            self.consumers.seen((job.spec.name, m["rank"], m["worker"]), identity)
+        end = m.get("end", False)
+        if not isinstance(end, bool):
+            raise ProtocolError(f"ACK: field 'end' must be a bool, got {end!r}")
         if state is not None:
             job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
+            state.ended |= end and state.complete
             if state.complete:
                 self._retry_parked()
-        self._acked_replies.append((identity, Message(MsgType.OK, msg.request_id)))
+        self.outbox.hold(identity, Message(MsgType.OK, msg.request_id), After.CURSORS)
         return None
+
+    def _reset_job(self, identity: bytes, msg: Message) -> Message:
+        """Forget a job: its passes, statistics and saved state (``loaderd jobs reset``)."""
+        name, force = msg.meta["job"], msg.meta.get("force") is True
+        job = self.jobs.get(name)
+        if job is not None:
+            live = self.consumers.of_job(name)
+            if live and not force:
+                ranks = sorted({rank for _, rank, _ in live})
+                raise JobError(
+                    f"job {name!r} has {len(live)} live consumers (ranks {ranks}): stop its "
+                    "trainers first, or reset with --force",
+                    ErrorCode.JOB_CONFLICT,
+                )
+            gone = JobError(f"job {name!r} was reset", ErrorCode.UNKNOWN_JOB)
+            for key in [k for k in self._waiting if k[0] == name]:
+                for peer, request_id in self._waiting.pop(key):
+                    self._send(peer, error_message(request_id, gone.code, str(gone)))
+            parked, self._parked_opens = self._parked_opens, []
+            for peer, opening in parked:
+                if opening.meta["job"] == name:
+                    self._send(peer, error_message(opening.request_id, gone.code, str(gone)))
+                else:
+                    self._parked_opens.append((peer, opening))
+            self.prefetcher.drop(lambda k: k[0] == name)
+            self.readahead.drop(lambda k: k[0] == name)
+            self.consumers.forget_job(name)
+            job.discard()
+            del self.jobs[name]
+        try:
+            removed: str | None = str(remove_job_dir(self.state_dir, name))
+        except ValueError:
+            if job is None:
+                raise JobError(f"no job {name!r} in this daemon", ErrorCode.NOT_FOUND) from None
+            removed = None  # a job that never saved anything
+        logger.info("job %s reset%s", name, " (forced)" if force else "")
+        return Message(MsgType.OK, msg.request_id, {"job": name, "removed": removed})
 
     def _feedback(self, identity: bytes, msg: Message) -> None:
         job = self._job(msg.meta)
-        kind = msg.meta["kind"]
-        if kind not in ("train", "rescore"):
-            raise JobError(f"FEEDBACK: unknown kind {kind!r}, expected 'train' or 'rescore'")
+        kind = msg.meta["kind"]  # a Phase: check_request saw to it
         ids, losses = decode_feedback(msg)
-        job.record_feedback(ids, losses, kind)
-        self._unsynced.append(
-            (identity, Message(MsgType.OK, msg.request_id, {"samples": len(ids)}))
-        )
+        if self.cluster is not None:
+            self.cluster.feedback(job, ids, losses, kind)  # applied when a round carries it
+        else:
+            job.record_feedback(ids, losses, kind)
+        reply = Message(MsgType.OK, msg.request_id, {"samples": len(ids)})
+        self.outbox.hold(identity, reply, After.JOURNAL)
 
     def _stats(self, identity: bytes, msg: Message) -> Message:
         stats = self.stats()
@@ -538,9 +657,26 @@ class Server:
             uptime_s=time.monotonic() - self.started,
         )
         out["shm"] = self.shm.stats()
+        out["readahead"] = self.readahead.stats()
         out["snapshots"] = self.snapshots.stats()
         out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.stats()
+        if self.autotune is not None:
+            out["autotune"] = self.autotune.stats()
         return out
+
+
+def slot_estimate(assembler: Assembler) -> Callable[[int], list[int]]:
+    """Frame sizes of a batch of n samples, for sizing ring slots before any is read.
+
+    Variable-length fields are estimated at twice the store's mean record size per sample;
+    a larger batch is assembled in fresh memory and goes over the socket.
+    """
+    store = assembler.tiers.store
+    mean = store.total_bytes // max(store.num_samples, 1)
+    nvar = len(assembler.layout.variable)
+    return lambda n: assembler.frame_sizes(n, [2 * mean * n] * nvar)
 
 
 def set_heartbeats(sock: zmq.Socket[Any], ivl_ms: int = 2000, timeout_ms: int = 10000) -> None:
@@ -553,36 +689,16 @@ def set_heartbeats(sock: zmq.Socket[Any], ivl_ms: int = 2000, timeout_ms: int = 
     sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
 
 
-def secure_tcp(config: DaemonConfig) -> CurveServer | None:
-    """The CURVE server for ``config.tcp``, or None; refuses TCP without keys.
+def loop_ack(meta: dict[str, Any]) -> bool:
+    """Whether an ACK comes from the training loop's process rather than the consumer.
 
-    Raises:
-        ValueError: TCP without a key directory (CURVE without an authenticator admits any
-            key, and no CURVE admits anybody).
+    Such an ACK says "the loop received these" and frees no shared-memory slot: the slots are
+    given back by ``release`` when the consumer no longer reads them.
     """
-    if config.socket.startswith("tcp://"):
-        raise ValueError(
-            f"refusing to serve {config.socket} unauthenticated: bind ipc:// with --socket "
-            "and add --tcp tcp://HOST:PORT --curve-dir DIR"
-        )
-    if config.tcp is None:
-        return None
-    if not config.tcp.startswith("tcp://"):
-        raise ValueError(f"`tcp` must be a tcp:// address, got {config.tcp!r}")
-    if config.curve_dir is None:
-        raise ValueError(
-            f"refusing to serve {config.tcp} without CURVE keys: add --curve-dir DIR "
-            "(`loaderd keys generate DIR` writes one)"
-        )
-    return CurveServer(config.curve_dir)
-
-
-def is_curve_peer(frame: zmq.Frame) -> bool:
-    """Whether a message came over a CURVE connection (ZAP set its User-Id)."""
-    try:
-        return bool(frame.get("User-Id"))
-    except zmq.ZMQError:
-        return False
+    value = meta.get("loop", False)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"ACK: field 'loop' must be a bool, got {value!r}")
+    return value
 
 
 def parse_resume(value: Any) -> Resume | None:

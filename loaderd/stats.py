@@ -120,6 +120,18 @@ def format_table(stats: dict[str, Any]) -> str:
                 ("size", f"{human_bytes(newest['bytes'])} ({durability})"),
             ],
         )
+    tune = stats.get("autotune")
+    if tune:
+        cost = tune["last_cost"]
+        knobs = ", ".join(f"{k} {v['value']:,}" for k, v in tune["knobs"].items())
+        out += _rows(
+            f"autotune ({tune['mode']})",
+            [
+                ("knobs", knobs),
+                ("rounds", f"{tune['rounds']:,} (idle {tune['idle_rounds']:,})"),
+                ("last cost", "-" if cost is None else f"{cost:.4f} ({tune['last_action']})"),
+            ],
+        )
     for name, job in stats["jobs"].items():
         rows = [
             ("epoch", f"{job['epoch']}  (world size {job['world_size']})"),
@@ -170,3 +182,41 @@ def _short(v: Any) -> str:
     if isinstance(v, dict):
         return ", ".join(f"{k}={_short(x)}" for k, x in v.items())
     return str(v)
+
+
+def format_jobs(rows: list[dict[str, Any]], now: float | None = None) -> str:
+    """``loaderd jobs``: one line per job (name, epoch, progress, sampler, last activity)."""
+    import time
+
+    if not rows:
+        return "no jobs"
+    now = time.time() if now is None else now
+    head = ("job", "epoch", "progress", "sampler", "ranks", "batch", "last active")
+    lines = [head]
+    for r in rows:
+        done = f"{r['acked']}/{r['batches']} batches" if r["batches"] else "-"
+        lines.append(
+            (
+                str(r["name"]),
+                str(r["epoch"]),
+                done,
+                str(r["sampler"]),
+                str(r["world_size"]),
+                str(r["batch_size"]),
+                _ago(now - float(r["last_active"])),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{max(seconds, 0):.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h ago"
+    return f"{seconds / 86400:.0f} days ago"

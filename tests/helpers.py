@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -13,6 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from loaderd.launch import start_daemon, stop_daemon, wait_ready
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (other tests run beside ours)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
