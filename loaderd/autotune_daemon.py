@@ -32,13 +32,16 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from loaderd.autotune import HOLD, Action, HillClimber, Knob, Observation, QLearningTuner, Tuner
 from loaderd.config import AutotuneConfig, DaemonConfig
 
 if TYPE_CHECKING:
-    from loaderd.server import Server
+    from loaderd.consumers import Consumers
+    from loaderd.prefetch import Prefetcher
+    from loaderd.readahead import ReadAhead
+    from loaderd.storage.tiers import TierStack
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +228,18 @@ class DaemonTuner:
         }
 
 
-def build(server: Server) -> DaemonTuner:
+class Tunable(Protocol):
+    """What the controller reads and moves in a serving daemon (the server is one)."""
+
+    config: DaemonConfig
+    prefetch_depth: int
+    readahead: ReadAhead
+    prefetcher: Prefetcher
+    tiers: TierStack
+    consumers: Consumers
+
+
+def build(server: Tunable) -> DaemonTuner:
     """The controller bound to ``server``'s read-ahead, prefetch depth and assembly workers."""
     config = server.config
     by_name = {k.name: k for k in daemon_knobs(config)}

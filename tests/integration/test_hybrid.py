@@ -94,9 +94,9 @@ def test_training_through_the_daemon_converges_and_the_merged_model_is_kept(
     finally:
         ds.close()
     after = accuracy(net, x, label)
-    # Chance is 0.25. How the batch splits between replicas follows their measured speed, so the
-    # end point varies with the machine's load (0.87-0.94 seen on 2 loaded cores): claim convergence,
-    # not a fixed accuracy.
+    # Chance is 0.25. The batch splits between the replicas by their measured speed, so the end
+    # point follows the machine's load (0.87-0.94 on 2 loaded cores): claim convergence, not a
+    # fixed accuracy.
     assert after > 0.8 and after > before + 0.4, (before, after)
     assert np.mean(epoch_loss[3]) < 0.5 * np.mean(epoch_loss[0])
     assert stats["jobs"]["hybrid"]["feedback_samples"] == 4 * N
