@@ -212,7 +212,11 @@ class ClusterJobs:
                 logger.error("cluster: %s", problem)
         spec, engine = t.job.spec, t.job.engine
         ready = ready_passes(
-            view, spec.world_size, t.decided, lambda e: len(engine.rescore_ids(e)) > 0
+            view,
+            spec.world_size,
+            t.decided,
+            lambda e: len(engine.rescore_ids(e)) > 0,
+            engine.plans_from_losses,
         )
         for epoch, phase in ready:
             ids, weights = pass_inputs(engine, spec.seed, epoch, phase)

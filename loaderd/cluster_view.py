@@ -6,9 +6,11 @@ are applied, from that round's merged statuses. Everything here is a pure functi
 :class:`Round` (plus the engine's answer to "does this epoch re-score?", itself a function of
 the history), so every node reaches the same decisions in the same round.
 
-The rule mirrors the one-node re-score barrier: a re-score pass is planned in the first round
-in which a rank asks for it; a training pass of a selecting epoch waits until every rank of
-the job, on every node, has finished re-scoring that epoch (if any rank re-scores it).
+The rules mirror the one-node barriers: a pass planned from recorded losses (a re-score pass
+that classifies, a selecting training pass) waits until every rank of the job, on every node,
+has left the epoch before; a training pass of a selecting epoch also waits until every rank
+has finished re-scoring that epoch (if any rank re-scores it). Other passes are planned in the
+first round in which a rank asks for them.
 """
 
 from __future__ import annotations
@@ -121,24 +123,43 @@ def missing_rescores(ranks: Mapping[int, RankStatus], epoch: int, world_size: in
     return max(world_size - done, 0)
 
 
+def still_in(ranks: Mapping[int, RankStatus], epoch: int, world_size: int) -> int:
+    """How many ranks have not yet left ``epoch`` (0: every rank's losses of it are in).
+
+    A rank has left an epoch when it is in a later one or asks for a pass of one: its trainer
+    flushed the epoch's feedback before asking, and the round that shows the ask carries it.
+    """
+    left = sum(
+        1 for s in ranks.values() if s.epoch > epoch or (s.want is not None and s.want[0] > epoch)
+    )
+    return max(world_size - left, 0)
+
+
 def ready_passes(
     view: JobView,
     world_size: int,
     decided: Container[PassKey],
     rescores: Callable[[int], bool],
+    from_losses: Callable[[int, str], bool],
 ) -> list[PassKey]:
-    """The passes to plan now, in order: wanted, not yet decided, and past the barrier.
+    """The passes to plan now, in order: wanted, not yet decided, and past the barriers.
 
     Args:
         view: the job after the round whose entries were just applied.
         world_size: the job's ranks on all nodes.
         decided: passes already planned (their plans are persisted).
         rescores: whether an epoch has samples to re-score (the engine's ``rescore_ids``,
-            called here so it runs at the same point of the history on every node).
+            called here so it runs at the same point of the history on every node, and only
+            once every rank's losses of the epoch before are in: it classifies from them).
+        from_losses: whether a pass is planned from recorded losses (the engine's
+            ``plans_from_losses``, which reads no history); such a pass of epoch e waits
+            until every rank has left epoch e - 1.
     """
     ready = []
     for epoch, phase in view.wanted():
         if (epoch, phase) in decided:
+            continue
+        if epoch > 0 and from_losses(epoch, phase) and still_in(view.ranks, epoch - 1, world_size):
             continue
         waits = phase == "train" and rescores(epoch)
         if waits and missing_rescores(view.ranks, epoch, world_size):

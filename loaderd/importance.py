@@ -382,17 +382,27 @@ class ImportanceEngine:
             when ``rescore`` is off, for the ``uniform`` sampler, and in annealing epochs (where
             everything is trained anyway).
         """
-        epoch = _check_epoch(epoch)
-        cfg = self._config
-        if (
-            not cfg.rescoring
-            or cfg.sampler == "uniform"
-            or epoch < cfg.warmup
-            or self._annealing(epoch)
-        ):
+        if not self.plans_from_losses(epoch, "rescore"):
             return np.empty(0, dtype=np.int64)
         self._ensure_groups(epoch)
         return np.flatnonzero(self._high).astype(np.int64)
+
+    def plans_from_losses(self, epoch: int, phase: str) -> bool:
+        """Whether ``epoch``'s ``phase`` pass is planned from recorded losses (known beforehand).
+
+        Such a plan must wait for every rank's losses of the epoch before it: made as soon as
+        the first rank asks, it would depend on whose feedback happened to arrive first.
+        """
+        epoch = _check_epoch(epoch)
+        if phase == "train":
+            return not self.selects_all(epoch)
+        cfg = self._config
+        return (
+            cfg.rescoring
+            and cfg.sampler != "uniform"
+            and epoch >= cfg.warmup
+            and not self._annealing(epoch)
+        )
 
     def selects_all(self, epoch: int) -> bool:
         """Whether ``epoch`` trains every sample (known before it is planned)."""

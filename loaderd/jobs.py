@@ -301,6 +301,7 @@ class Job:
                 self.ack(cur, delivered)
             self._requeue(rank, cur, worker)  # this worker starts over: what it held, unacked
             return cur
+        self._check_left(epoch - 1, phase)
         if phase == "train":
             self._check_rescored(epoch)
         plan = self._plan(epoch, phase, rank)[rank]
@@ -331,6 +332,32 @@ class Job:
         if not cur.complete:
             raise JobError(f"epoch {cur.epoch} is not finished: cannot re-score the next one yet")
         return cur.epoch + 1
+
+    def _check_left(self, epoch: int, phase: str) -> None:
+        """Plan the next epoch's ``phase`` from losses only once every rank has left ``epoch``.
+
+        A rank's last losses of an epoch may still be on their way when it acknowledged its
+        last batch; it has left the epoch once it asks for a later pass (its feedback came
+        first). Planned earlier, a re-score pass's classification or an epoch's selection
+        would depend on whose feedback happened to arrive first.
+        """
+        nxt = epoch + 1
+        if self.inputs is not None or epoch < 0 or (nxt, phase) in self._plans:
+            return  # a cluster's barrier (``loaderd.cluster_view``) decides, or it is planned
+        if phase == "train" and (
+            nxt in self._selections
+            or (self.dir is not None and (self.dir / f"selection-{nxt}.npz").exists())
+        ):
+            return
+        if not self.engine.plans_from_losses(nxt, phase):
+            return
+        waiting = [r for r, p in enumerate(self.passes) if not _left(p, epoch)]
+        if waiting:
+            shown = ", ".join(map(str, waiting[:16])) + (", ..." if len(waiting) > 16 else "")
+            raise NotReady(
+                f"job {self.spec.name!r} epoch {nxt}'s {phase} pass is planned from every "
+                f"rank's losses of epoch {epoch}: waiting for rank(s) {shown} to finish it"
+            )
 
     def _check_rescored(self, epoch: int) -> None:
         """Plan a selecting epoch only after every rank has re-scored it, if any rank does.
@@ -738,3 +765,10 @@ def load_cursors(state_dir: Path, saved: dict[str, Any], world_size: int) -> lis
 def _order(epoch: int, phase: str) -> tuple[int, int]:
     """Passes in the order a rank walks them: re-score of an epoch, then its training."""
     return epoch, 0 if phase == "rescore" else 1
+
+
+def _left(p: PassState | None, epoch: int) -> bool:
+    """Whether a rank has left ``epoch``: in a later one, or its training pass done and ended."""
+    if p is None:
+        return False
+    return p.epoch > epoch or (p.epoch == epoch and p.phase == "train" and p.complete and p.ended)

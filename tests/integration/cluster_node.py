@@ -112,7 +112,11 @@ class Job:
             return
         assert not view.problems, view.problems
         ready = ready_passes(
-            view, self.world_size, self.inputs, lambda e: len(self.engine.rescore_ids(e)) > 0
+            view,
+            self.world_size,
+            self.inputs,
+            lambda e: len(self.engine.rescore_ids(e)) > 0,
+            self.engine.plans_from_losses,
         )
         for epoch, phase in ready:
             if phase == "rescore":

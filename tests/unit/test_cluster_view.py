@@ -7,7 +7,14 @@ import pytest
 
 from loaderd.cluster_group import ClusterError
 from loaderd.cluster_rounds import plan_catch_up
-from loaderd.cluster_view import job_view, jobs_in, missing_rescores, plan_digest, ready_passes
+from loaderd.cluster_view import (
+    job_view,
+    jobs_in,
+    missing_rescores,
+    plan_digest,
+    ready_passes,
+    still_in,
+)
 from loaderd.cluster_wire import Contribution, JobStatus, RankStatus, Round
 
 SPEC = {"name": "j", "world_size": 4, "seed": 0}
@@ -123,18 +130,42 @@ def test_ready_passes_waits_for_every_rank_on_every_node() -> None:
         return True
 
     view = job_view(rnd({"j": node0}, {"j": slow}), "j")
-    assert view is not None and ready_passes(view, 4, set(), rescores) == []
+    assert view is not None and ready_passes(view, 4, set(), rescores, every_pass) == []
     view = job_view(rnd({"j": node0}, {"j": done}), "j")
-    assert view is not None and ready_passes(view, 4, set(), rescores) == [want]
-    assert ready_passes(view, 4, {want}, rescores) == []  # planned already
-    assert ready_passes(view, 4, set(), lambda e: False) == [want]  # nothing to re-score
+    assert view is not None and ready_passes(view, 4, set(), rescores, every_pass) == [want]
+    assert ready_passes(view, 4, {want}, rescores, every_pass) == []  # planned already
+    assert ready_passes(view, 4, set(), lambda e: False, every_pass) == [
+        want
+    ]  # nothing to re-score
     assert asked == [6, 6]
 
 
-def test_ready_passes_plans_a_rescore_pass_at_once() -> None:
-    status = JobStatus(SPEC, ranks(r0=RankStatus(5, "train", True, (6, "rescore"))))
-    view = job_view(rnd({"j": status}), "j")
-    assert view is not None and ready_passes(view, 4, set(), lambda e: True) == [(6, "rescore")]
+def every_pass(epoch: int, phase: str) -> bool:  # every pass planned from losses
+    return True
+
+
+def test_a_pass_planned_from_losses_waits_until_every_rank_left_the_epoch_before() -> None:
+    # Rank 1 acknowledged its last batch of epoch 5 but has not asked for epoch 6: its last
+    # losses may still be on their way, and epoch 6's re-score pass classifies from them.
+    asking = RankStatus(5, "train", True, (6, "rescore"))
+    behind = JobStatus(SPEC, ranks(r0=asking, r1=RankStatus(5, "train", True)))
+    left = JobStatus(SPEC, ranks(r0=asking, r1=asking))
+    asked: list[int] = []
+
+    def rescores(epoch: int) -> bool:
+        asked.append(epoch)  # classifying reads the history: never before the barrier
+        return True
+
+    view = job_view(rnd({"j": behind}), "j")
+    assert view is not None and ready_passes(view, 2, set(), rescores, every_pass) == []
+    assert asked == []
+    # A pass not planned from losses (warm-up, uniform) does not wait.
+    assert ready_passes(view, 2, set(), rescores, lambda e, p: False) == [(6, "rescore")]
+    view = job_view(rnd({"j": left}), "j")
+    assert view is not None and ready_passes(view, 2, set(), rescores, every_pass) == [
+        (6, "rescore")
+    ]
+    assert still_in(view.ranks, 5, 2) == 0 and still_in(view.ranks, 5, 3) == 1
 
 
 def test_plan_catch_up_picks_the_lowest_node_that_keeps_each_round() -> None:
