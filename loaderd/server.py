@@ -45,6 +45,7 @@ from loaderd.job_admin import remove_job_dir, sweep
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
 from loaderd.limits import check_hello, check_request_size, check_rewind
 from loaderd.outbox import After, Outbox
+from loaderd.outstanding import Outstanding, still_out_in
 from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.readahead import ReadAhead
 from loaderd.shm_delivery import ShmDelivery
@@ -132,6 +133,8 @@ class Server:
         self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
         self._parked_opens: list[tuple[bytes, Message]] = []
         self._waiting_noted: dict[tuple[bytes, int], float] = {}  # parked open -> last WAITING
+        self.outstanding = Outstanding(config.limits.max_outstanding_batches)
+        self._still_out = still_out_in(self.jobs)
         # Replies that promise something durable wait for the loop turn's commit.
         self.outbox = Outbox(self._send, self._deliver)
         self._load_jobs()
@@ -250,6 +253,7 @@ class Server:
                     worker,
                 )
         self.shm.check_dead()
+        self.outstanding.prune(self._still_out)
         durability_failure(job.save for job in self.jobs.values())
 
     def close(self) -> None:
@@ -489,7 +493,10 @@ class Server:
         end = Message(MsgType.END, msg.request_id, {"epoch": epoch, "phase": phase})
         if state is None:
             return end  # a request for a pass that is over
-        job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
+        acks = check_int_list("acks", m["acks"], _MAX_ACKS)
+        job.ack(state, acks)
+        self.outstanding.acked(job.spec.name, rank, epoch, phase, acks)
+        self.outstanding.check(identity, self._still_out)  # before anything is handed out
         got = job.assign(rank, state, m["worker"])
         if got is None:
             if state.complete and self._parked_opens:
@@ -497,6 +504,7 @@ class Server:
             return end
         index, ids, weights = got
         key = BatchKey(job.spec.name, rank, epoch, phase, index)
+        self.outstanding.handed(identity, key, m["worker"])
         fut = self.prefetcher.submit(key, ids, weights)
         self._prefetch_ahead(job, rank, state)
         self._waiting.setdefault(key, []).append((identity, msg.request_id))
@@ -574,7 +582,9 @@ class Server:
         if not isinstance(end, bool):
             raise ProtocolError(f"ACK: field 'end' must be a bool, got {end!r}")
         if state is not None:
-            job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
+            acks = check_int_list("acks", m["acks"], _MAX_ACKS)
+            job.ack(state, acks)
+            self.outstanding.acked(job.spec.name, m["rank"], m["epoch"], m["phase"], acks)
             state.ended |= end and state.complete
             if state.complete:
                 self._retry_parked()
@@ -607,6 +617,7 @@ class Server:
             self.prefetcher.drop(lambda k: k[0] == name)
             self.readahead.drop(lambda k: k[0] == name)
             self.consumers.forget_job(name)
+            self.outstanding.forget_job(name)
             job.discard()
             del self.jobs[name]
         try:

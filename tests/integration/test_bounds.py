@@ -1,0 +1,62 @@
+"""One client must not take the daemon down or starve the others: what a connection may hold.
+
+Raw requests where the client library would never misbehave: a connection that asks for
+batch after batch and acknowledges none, OPEN_PASS requests parked by the thousand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from loaderd.client import LoaderdDataset, RemoteError
+from loaderd.client.connection import Connection
+from loaderd.client.errors import ErrorCode
+from loaderd.client.protocol import PROTOCOL_VERSION, MsgType
+from loaderd.config import LimitsConfig
+from tests.conftest import N_SAMPLES
+from tests.helpers import Daemon
+
+pytestmark = pytest.mark.integration
+
+
+def hello(conn: Connection, job: str, batch_size: int = 1, **options: Any) -> None:
+    meta = {
+        "job": job,
+        "rank": 0,
+        "world_size": 1,
+        "seed": 0,
+        "batch_size": batch_size,
+        "options": options,
+        "version": PROTOCOL_VERSION,
+        "shm": False,
+    }
+    conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
+
+
+def test_a_connection_that_never_acknowledges_is_held_to_its_bound(daemon: Daemon) -> None:
+    limit = LimitsConfig().max_outstanding_batches
+    assert limit + 44 <= N_SAMPLES, "one batch per sample: more batches than the bound"
+    base = {"job": "greedy", "rank": 0, "worker": 0, "phase": "train"}
+    with Connection(daemon.address, timeout_s=60.0) as conn:
+        hello(conn, "greedy")
+        epoch = conn.request(MsgType.OPEN_PASS, base, expect=MsgType.PASS).meta["epoch"]
+        ask = {**base, "epoch": epoch, "acks": []}
+        rids = [conn.send(MsgType.GET_BATCH, ask) for _ in range(limit + 44)]
+        got: list[int] = []
+        refused: list[RemoteError] = []
+        for rid in rids:
+            try:
+                got.append(int(conn.wait(rid).meta["index"]))
+            except RemoteError as e:
+                refused.append(e)
+        assert len(got) == limit and len(refused) == 44
+        assert all(e.code == ErrorCode.BAD_ARGUMENT for e in refused)
+        assert "max_outstanding_batches" in str(refused[0]) and "\n" not in str(refused[0])
+        # Acknowledging makes room again: the connection is bounded, not banned.
+        more = conn.request(MsgType.GET_BATCH, {**ask, "acks": got}, expect=MsgType.BATCH)
+        assert int(more.meta["index"]) not in got
+    # The daemon serves on, and another client is not affected.
+    ds = LoaderdDataset(daemon.address, job="polite", batch_size=32, timeout_s=30.0)
+    assert sum(len(b["id"]) for b in ds) == N_SAMPLES
