@@ -46,6 +46,7 @@ from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, re
 from loaderd.limits import check_hello, check_request_size, check_rewind
 from loaderd.outbox import After, Outbox
 from loaderd.outstanding import Outstanding, still_out_in
+from loaderd.parked_opens import Group, ParkedOpens
 from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.readahead import ReadAhead
 from loaderd.shm_delivery import ShmDelivery
@@ -131,7 +132,8 @@ class Server:
                 config.cluster, self.store.fingerprint, self.state_dir, self._open_job
             )
         self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
-        self._parked_opens: list[tuple[bytes, Message]] = []
+        limits = config.limits
+        self.parked = ParkedOpens(limits.max_parked_opens_per_client, limits.max_parked_opens)
         self._waiting_noted: dict[tuple[bytes, int], float] = {}  # parked open -> last WAITING
         self.outstanding = Outstanding(config.limits.max_outstanding_batches)
         self._still_out = still_out_in(self.jobs)
@@ -435,7 +437,8 @@ class Server:
         try:
             state = job.open_pass(m["rank"], m["worker"], m["phase"], resume)
         except NotReady as e:
-            self._parked_opens.append((identity, msg))
+            rewind = resume.epoch if resume is not None and resume.rewind else None
+            self.parked.park((job.spec.name, m["rank"], m["phase"], rewind), identity, msg, str(e))
             self._note_waiting(identity, msg.request_id, str(e))
             return None
         self._forget_other_passes(job, m["rank"], state)
@@ -474,13 +477,30 @@ class Server:
             self._send(identity, Message(MsgType.WAITING, request_id, note))
 
     def _retry_parked(self) -> None:
-        parked, self._parked_opens = self._parked_opens, []
-        for identity, msg in parked:
-            reply = self._open_pass(identity, msg)
-            if reply is not None:
-                self._send(identity, reply)
-        still = {(identity, msg.request_id) for identity, msg in self._parked_opens}
+        """Try each group of parked opens once (its first request): the rest follow it."""
+        for key, group in self.parked.take():
+            (identity, msg), rest = group.requests[0], group.requests[1:]
+            if self._reopen(identity, msg) or not rest:
+                for peer, request in rest:
+                    self._reopen(peer, request)
+                continue
+            self.parked.put_back(key, Group(group.why, rest))
+            for peer, request in rest:
+                self._note_waiting(peer, request.request_id, self.parked.why(key))
+        still = self.parked.waiting()
         self._waiting_noted = {k: t for k, t in self._waiting_noted.items() if k in still}
+
+    def _reopen(self, identity: bytes, msg: Message) -> bool:
+        """Retry one parked OPEN_PASS; False when it is parked again."""
+        try:
+            reply = self._open_pass(identity, msg)
+        except (JobError, ProtocolError) as e:  # its job reset, its rank's pass moved on
+            code = e.code if isinstance(e, JobError) else ErrorCode.BAD_MESSAGE
+            reply = error_message(msg.request_id, code, str(e))
+        if reply is None:
+            return False
+        self._send(identity, reply)
+        return True
 
     def _get_batch(self, identity: bytes, msg: Message) -> Message | None:
         m = msg.meta
@@ -499,7 +519,7 @@ class Server:
         self.outstanding.check(identity, self._still_out)  # before anything is handed out
         got = job.assign(rank, state, m["worker"])
         if got is None:
-            if state.complete and self._parked_opens:
+            if state.complete and self.parked:
                 self._retry_parked()
             return end
         index, ids, weights = got
@@ -608,12 +628,12 @@ class Server:
             for key in [k for k in self._waiting if k[0] == name]:
                 for peer, request_id in self._waiting.pop(key):
                     self._send(peer, error_message(request_id, gone.code, str(gone)))
-            parked, self._parked_opens = self._parked_opens, []
-            for peer, opening in parked:
-                if opening.meta["job"] == name:
+            for parked_key, group in self.parked.take():
+                if parked_key[0] != name:
+                    self.parked.put_back(parked_key, group)
+                    continue
+                for peer, opening in group.requests:
                     self._send(peer, error_message(opening.request_id, gone.code, str(gone)))
-                else:
-                    self._parked_opens.append((peer, opening))
             self.prefetcher.drop(lambda k: k[0] == name)
             self.readahead.drop(lambda k: k[0] == name)
             self.consumers.forget_job(name)

@@ -60,3 +60,29 @@ def test_a_connection_that_never_acknowledges_is_held_to_its_bound(daemon: Daemo
     # The daemon serves on, and another client is not affected.
     ds = LoaderdDataset(daemon.address, job="polite", batch_size=32, timeout_s=30.0)
     assert sum(len(b["id"]) for b in ds) == N_SAMPLES
+
+
+def test_parked_open_pass_requests_are_bounded_and_follow_their_group(daemon: Daemon) -> None:
+    from tests.integration.test_importance_e2e import K, dataset_for, rescore_pass, train_pass
+
+    ranks = [dataset_for(daemon, "parked", rank=r, world_size=2) for r in range(2)]
+    for _ in range(K):  # classification epochs: nothing to re-score
+        for ds in ranks:
+            rescore_pass(ds)
+            train_pass(ds)
+    rescore_pass(ranks[0])  # rank 0's next train pass now waits for rank 1's re-scores
+    limit = LimitsConfig().max_parked_opens_per_client
+    meta = {"job": "parked", "rank": 0, "worker": 7, "phase": "train"}
+    with Connection(daemon.address, timeout_s=60.0) as conn:
+        rids = [conn.send(MsgType.OPEN_PASS, meta) for _ in range(limit + 1)]
+        with pytest.raises(RemoteError, match="max_parked_opens_per_client") as e:
+            conn.wait(rids[-1])
+        assert e.value.code == ErrorCode.BAD_ARGUMENT and "\n" not in str(e.value)
+        # Another connection still parks: the bound is per connection.
+        with Connection(daemon.address, timeout_s=60.0) as other:
+            waiting = other.send(MsgType.OPEN_PASS, {**meta, "worker": 8})
+            rescore_pass(ranks[1])  # the barrier lifts: every parked request opens the pass
+            assert other.wait(waiting).meta["epoch"] == K
+        opened = [conn.wait(rid, timeout_s=60.0) for rid in rids[:-1]]
+    assert {(m.type, m.meta["epoch"]) for m in opened} == {(MsgType.PASS, K)}
+    assert len(train_pass(ranks[1])) > 0  # and the job goes on
