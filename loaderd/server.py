@@ -664,7 +664,7 @@ class Server:
         stats = self.stats()
         if msg.meta.get("detail") is True:  # `loaderd stats --plot`: binned, never N floats
             for name, job in self.jobs.items():
-                stats["jobs"][name]["importance_detail"] = histograms(job.engine)
+                stats["jobs"][name]["importance_detail"] = job.engine_stats.detail(histograms)
         return Message(MsgType.STATS_REPLY, msg.request_id, stats)
 
     def stats(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ batch after batch and acknowledges none, OPEN_PASS requests parked by the thousa
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.errors import ErrorCode
 from loaderd.client.protocol import PROTOCOL_VERSION, MsgType
 from loaderd.config import LimitsConfig
+from loaderd.stats_cache import MAX_AGE_S
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon
 
@@ -86,3 +88,25 @@ def test_parked_open_pass_requests_are_bounded_and_follow_their_group(daemon: Da
         opened = [conn.wait(rid, timeout_s=60.0) for rid in rids[:-1]]
     assert {(m.type, m.meta["epoch"]) for m in opened} == {(MsgType.PASS, K)}
     assert len(train_pass(ranks[1])) > 0  # and the job goes on
+
+
+def test_a_flood_of_stats_scans_each_job_at_most_once_a_second(daemon: Daemon) -> None:
+    ds = LoaderdDataset(daemon.address, job="scanned", batch_size=32, timeout_s=30.0)
+    for batch in ds:
+        ds.feedback(batch["id"], batch["id"].float())
+    ds.flush()
+
+    def scans(reply: Any) -> int:
+        return int(reply.meta["jobs"]["scanned"]["importance"]["stats_scans"])
+
+    with Connection(daemon.address, timeout_s=60.0) as conn:
+        t0 = time.monotonic()
+        first = conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY)
+        rids = [conn.send(MsgType.STATS, {"detail": i % 2 == 0}) for i in range(300)]
+        replies = [conn.wait(rid) for rid in rids]
+        elapsed = time.monotonic() - t0
+    # Every reply has the whole summary, but the samples were scanned once per MAX_AGE_S.
+    assert all(r.meta["jobs"]["scanned"]["importance"]["loss_p50"] is not None for r in replies)
+    assert all("importance_detail" in r.meta["jobs"]["scanned"] for r in replies[::2])
+    assert scans(replies[-1]) - scans(first) <= elapsed / MAX_AGE_S + 1
+    assert replies[-1].meta["jobs"]["scanned"]["feedback_samples"] == N_SAMPLES  # fresh
