@@ -43,6 +43,7 @@ from loaderd.consumers import Consumers
 from loaderd.importance_plot import histograms
 from loaderd.job_admin import remove_job_dir, sweep
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
+from loaderd.journal import JournalWriteError
 from loaderd.limits import check_hello, check_request_size, check_rewind
 from loaderd.outbox import After, Outbox
 from loaderd.outstanding import Outstanding, still_out_in
@@ -51,7 +52,13 @@ from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.readahead import ReadAhead
 from loaderd.shm_delivery import ShmDelivery
 from loaderd.snapshots import Snapshots
-from loaderd.state_writes import DAMAGED_STATE_ERRORS, durability_failure, quarantine
+from loaderd.state_writes import (
+    DAMAGED_STATE_ERRORS,
+    STATE_DISK,
+    durability_failure,
+    note_failed_write,
+    quarantine,
+)
 from loaderd.stats import build_stats
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.safe_files import (
@@ -88,6 +95,7 @@ class Server:
         # Locks, private directories and the TCP policy come before the store and the pools
         # open: a daemon that must refuse to start refuses before it allocates anything.
         self.state_dir = private_dir(config.state_dir, "state directory")
+        STATE_DISK.watch(self.state_dir)  # shown in stats: writes to it failing, or not
         self._curve = secure_tcp(config)  # reads the keys; binds nothing yet
         self._locks.append(
             PathLock(self.state_dir / "daemon.lock", f"state directory {self.state_dir}")
@@ -360,6 +368,8 @@ class Server:
             reply = error_message(peek_request_id(body), ErrorCode.CORRUPT_RECORD, str(e))
         except StorageError as e:
             logger.error("%s", e)
+            if isinstance(e, JournalWriteError):
+                note_failed_write(e)
             reply = error_message(peek_request_id(body), ErrorCode.STORAGE, str(e))
         except Exception as e:
             logger.exception("request failed")
@@ -691,6 +701,7 @@ class Server:
         out["readahead"] = self.readahead.stats()
         out["snapshots"] = self.snapshots.stats()
         out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
+        out["state_disk"] = STATE_DISK.stats()
         if self.cluster is not None:
             out["cluster"] = self.cluster.stats()
         if self.autotune is not None:
