@@ -9,7 +9,8 @@ past that its GET_BATCH is refused with an error naming the bound, and the daemo
 A batch stops counting when anyone acknowledges it (the training loop's process acknowledges
 for its DataLoader workers), when it is handed to another connection (its consumer came
 back on a new socket), or when its pass is no longer the rank's or it went back to the queue
-(found by ``prune``, run on the daemon's tick and before any refusal).
+(found by ``prune``, run on the daemon's tick: a refusal itself costs O(1), however
+many a client sends).
 """
 
 from __future__ import annotations
@@ -40,17 +41,14 @@ class Outstanding:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def check(self, identity: bytes, still_out: StillOut) -> None:
+    def check(self, identity: bytes) -> None:
         """Refuse one more batch to ``identity`` if it holds ``limit`` already.
 
         Raises:
             LimitError: the connection is at its bound.
         """
         held = self._held.get(identity)
-        if held is None or len(held) < self.limit:
-            return
-        self._prune(identity, held, still_out)
-        if len(held) >= self.limit:
+        if held is not None and len(held) >= self.limit:
             self.refused += 1
             raise LimitError(
                 f"this connection holds {len(held)} unacknowledged batches, at most "

@@ -526,7 +526,7 @@ class Server:
         acks = check_int_list("acks", m["acks"], _MAX_ACKS)
         job.ack(state, acks)
         self.outstanding.acked(job.spec.name, rank, epoch, phase, acks)
-        self.outstanding.check(identity, self._still_out)  # before anything is handed out
+        self.outstanding.check(identity)  # before anything is handed out
         got = job.assign(rank, state, m["worker"])
         if got is None:
             if state.complete and self.parked:
