@@ -7,7 +7,11 @@ whole run. Phase by phase, one abusive client process runs beside it for ``--pha
 - ``jobs``: HELLO after HELLO, each with a new job name (was: +300 MiB per 150, for good);
 - ``warmup``: HELLO with ``warmup_epochs=125000`` (was: 500 MB allocated on a 1,000-sample store);
 - ``feedback``: FEEDBACK of 4,194,305 samples (50 MB) again and again (was: 3.5x amplified);
-- ``frames``: requests of 9 payload frames (ZMQ_MAXMSGSIZE bounds a frame, not their count).
+- ``frames``: requests of 9 payload frames (ZMQ_MAXMSGSIZE bounds a frame, not their count);
+- ``getbatch``: GET_BATCH after GET_BATCH, never reading nor acknowledging (was: whole epochs
+  assembled and queued for it; now ``max_outstanding_batches``);
+- ``stats``: STATS with ``--plot`` detail in a loop (was: every job's samples scanned twice
+  per request on the serving thread; now at most once a second).
 
 Reported per phase: the daemon's RSS (psutil, every 0.25 s) at the start, its peak and at the
 end; the trainer's samples/s; the abuser's requests and how many were refused (and with what).
@@ -67,7 +71,38 @@ def _hello(n: int, **options: Any) -> dict[str, Any]:
     }
 
 
+def flood_get_batch(address: str, stop: Any, out: Any) -> None:
+    """GET_BATCH without reading a reply: a raw socket, so nothing is read for it."""
+    import zmq
+
+    from loaderd.client.protocol import Message, encode
+
+    with Connection(address, timeout_s=30.0) as conn:
+        conn.request(MsgType.HELLO, _hello(0))
+        base = {"job": "abuse-0", "rank": 0, "worker": 0, "phase": "train"}
+        epoch = conn.request(MsgType.OPEN_PASS, base).meta["epoch"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    sent = 0
+    while not stop.is_set():
+        msg = Message(MsgType.GET_BATCH, sent + 1, {**base, "epoch": epoch, "acks": []})
+        try:
+            sock.send_multipart(encode(msg), zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            time.sleep(0.01)
+        if sent % 64 == 0:
+            time.sleep(0.001)
+    sock.close(linger=0)
+    ctx.term()
+    out.put({"sent": sent, "refused": 0, "errors": {"(replies never read)": sent}})
+
+
 def abuser(address: str, kind: str, stop: Any, out: Any) -> None:
+    if kind == "getbatch":
+        flood_get_batch(address, stop, out)
+        return
     sent = refused = 0
     errors: dict[str, int] = {}
     big = feedback_frames(np.zeros((1 << 22) + 1, np.int64), np.zeros((1 << 22) + 1, np.float32))
@@ -80,6 +115,8 @@ def abuser(address: str, kind: str, stop: Any, out: Any) -> None:
                     conn.request(MsgType.HELLO, _hello(sent, warmup_epochs=125_000))
                 elif kind == "feedback":
                     conn.request(MsgType.FEEDBACK, {"job": "good", "kind": "train"}, big)
+                elif kind == "stats":
+                    conn.request(MsgType.STATS, {"detail": True})
                 else:
                     conn.request(MsgType.PING, {}, [b"x"] * 9)
             except RemoteError as e:
@@ -124,7 +161,7 @@ def main() -> None:
         t = ctx.Process(target=trainer, args=(address, stop_trainer, counter))
         t.start()
         time.sleep(2.0)  # past the first epoch's cold reads
-        for kind in ("none", "jobs", "warmup", "feedback", "frames"):
+        for kind in ("none", "jobs", "warmup", "feedback", "frames", "getbatch", "stats"):
             stop, out = ctx.Event(), ctx.Queue()
             a = None
             if kind != "none":
@@ -200,7 +237,12 @@ def write(rows: list[dict[str, Any]], state_jobs: list[str]) -> None:
         "trainer's drop is CPU taken by the abuser's own loop; what is bounded is what the "
         "daemon keeps. The FEEDBACK peak is the 50 MB request in flight (received whole by "
         "ZeroMQ before it can be refused); it is freed once refused, never decoded into "
-        "arrays.",
+        "arrays. The GET_BATCH flooder never reads: the daemon keeps at most "
+        "`max_outstanding_batches` (256) batches for it and refuses the rest at O(1) each, so "
+        "RSS stays flat; the trainer's drop there is the daemon's loop answering tens of "
+        "thousands of refused requests on the same 2 cores (no per-connection share of the "
+        "loop yet). The STATS flooder asks with `--plot` detail each time; the per-sample "
+        "figures are recomputed at most once a second.",
         "",
     ]
     (RESULTS / "bounds.md").write_text("\n".join(lines))

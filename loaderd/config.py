@@ -221,6 +221,14 @@ class LimitsConfig:
     max_request_bytes: int = (1 << 30) + (1 << 20)
     # One FEEDBACK's samples: recording them costs a few times their bytes.
     max_feedback_samples: int = 1 << 22
+    # Batches one connection was handed and has not acknowledged (asked for, being assembled,
+    # or sent and unread): a client that stops reading keeps at most this many in the
+    # daemon's queues. The client library keeps `prefetch` (default 4) per connection.
+    max_outstanding_batches: int = 256
+    # OPEN_PASS requests waiting for a pass to be decided (a re-score barrier, the cluster):
+    # one per worker in the client library.
+    max_parked_opens_per_client: int = 16
+    max_parked_opens: int = 4096
 
     def __post_init__(self) -> None:
         for name in (
@@ -229,6 +237,9 @@ class LimitsConfig:
             "max_request_frames",
             "max_request_bytes",
             "max_feedback_samples",
+            "max_outstanding_batches",
+            "max_parked_opens_per_client",
+            "max_parked_opens",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

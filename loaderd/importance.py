@@ -510,21 +510,48 @@ class ImportanceEngine:
         """
         return self._score()
 
-    def stats(self) -> dict[str, object]:
+    def stats(self, scan: bool = True) -> dict[str, object]:
         """Summarise the engine for ``loaderd stats``; every value is JSON-serialisable.
 
+        Args:
+            scan: include the figures that scan every sample (``scan_stats``); without them
+                the summary costs O(1).
+
         Returns:
-            ``sampler``, ``phase``, ``epoch``, ``groups_epoch``, ``high_group``/``low_group``
-            sizes, ``high_mean_variance``/``low_mean_variance``, ``variance_threshold``,
-            ``selected_epoch``, ``selected``, ``kept_fraction``, ``keep_threshold``,
-            ``rescored`` (samples re-scored for the latest epoch), ``loss_p10``/``loss_p50``/
-            ``loss_p90`` over scored samples, ``seen_samples``, ``feedback_samples`` and
-            ``rescore_samples``. Unknown floats are ``None``.
+            ``sampler``, ``phase``, ``epoch``, ``groups_epoch``, ``high_mean_variance``/
+            ``low_mean_variance``, ``variance_threshold``, ``selected_epoch``, ``selected``,
+            ``kept_fraction``, ``keep_threshold``, ``feedback_samples`` and
+            ``rescore_samples``, and with ``scan`` those of ``scan_stats``. Unknown floats are
+            ``None``.
         """
+        out: dict[str, object] = {
+            "sampler": self._config.sampler,
+            "phase": self.phase(max(self._epoch, 0)),
+            "epoch": self._epoch,
+            "num_samples": self._n,
+            "groups_epoch": self._groups_epoch,
+            "high_mean_variance": _finite(self._split[2]),
+            "low_mean_variance": _finite(self._split[1]),
+            "variance_threshold": _finite(self._split[0]),
+            "selected_epoch": self._selected_epoch,
+            "selected": self._selected,
+            "kept_fraction": self._selected / self._n if self._selected_epoch >= 0 else None,
+            "keep_threshold": _finite(self._keep_threshold),
+            "feedback_samples": self._feedback,
+            "rescore_samples": self._rescore_feedback,
+        }
+        if scan:
+            out.update(self.scan_stats())
+        return out
 
-        def num(v: float) -> float | None:
-            return float(v) if math.isfinite(v) else None
+    def scan_stats(self) -> dict[str, object]:
+        """The summary figures that scan every sample (O(samples)).
 
+        Returns:
+            ``high_group``/``low_group`` sizes, ``rescored`` (samples re-scored for the latest
+            epoch), ``loss_p10``/``loss_p50``/``loss_p90`` over scored samples and
+            ``seen_samples``.
+        """
         grouped = self._groups_epoch >= 0
         high = int(np.count_nonzero(self._high)) if grouped else 0
         scored = self._last_loss[~np.isnan(self._last_loss)]
@@ -533,27 +560,13 @@ class ImportanceEngine:
             int(np.count_nonzero(self._rescored_epoch == self._epoch)) if self._epoch >= 0 else 0
         )
         return {
-            "sampler": self._config.sampler,
-            "phase": self.phase(max(self._epoch, 0)),
-            "epoch": self._epoch,
-            "num_samples": self._n,
-            "groups_epoch": self._groups_epoch,
             "high_group": high,
             "low_group": self._n - high if grouped else 0,
-            "high_mean_variance": num(self._split[2]),
-            "low_mean_variance": num(self._split[1]),
-            "variance_threshold": num(self._split[0]),
-            "selected_epoch": self._selected_epoch,
-            "selected": self._selected,
-            "kept_fraction": self._selected / self._n if self._selected_epoch >= 0 else None,
-            "keep_threshold": num(self._keep_threshold),
             "rescored": rescored,
-            "loss_p10": num(quantiles[0]),
-            "loss_p50": num(quantiles[1]),
-            "loss_p90": num(quantiles[2]),
+            "loss_p10": _finite(quantiles[0]),
+            "loss_p50": _finite(quantiles[1]),
+            "loss_p90": _finite(quantiles[2]),
             "seen_samples": int(np.count_nonzero(self._count)),
-            "feedback_samples": self._feedback,
-            "rescore_samples": self._rescore_feedback,
         }
 
     def _annealing(self, epoch: int) -> bool:
@@ -690,3 +703,7 @@ _STATE_SCALARS = {
     "selected": "iu",
     "keep_threshold": "f",
 }
+
+
+def _finite(v: float) -> float | None:
+    return float(v) if math.isfinite(v) else None

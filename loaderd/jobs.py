@@ -25,6 +25,7 @@ from loaderd.cursor_log import Cursor, CursorLog
 from loaderd.importance import ImportanceConfig, ImportanceEngine
 from loaderd.journal import FeedbackJournal, read_json, write_atomic, write_json_atomic
 from loaderd.planner import RankPlan, num_batches, plan_pass
+from loaderd.stats_cache import EngineStats
 from loaderd.storage.safe_files import mkdir_durable
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,7 @@ class Job:
             raise JobError(f"job {spec.name!r}: {e}") from e
         self.config = config
         self.engine = ImportanceEngine(num_samples, config)
+        self.engine_stats = EngineStats(self.engine)  # STATS in a loop must not scan each time
         self.passes: list[PassState | None] = [None] * spec.world_size
         self.served_epoch = np.full(num_samples, -1, np.int32)
         self.batches_served = 0
@@ -570,6 +572,7 @@ class Job:
 
     def stats(self) -> dict[str, Any]:
         """The job's counters and its importance engine's view."""
+        importance = self.engine_stats.get()
         return {
             "epoch": self.epoch,
             "sampler": self.config.sampler,
@@ -579,7 +582,7 @@ class Job:
             "batch_size": self.spec.batch_size,
             "seed": self.spec.seed,
             **self.counters,
-            "feedback_samples": self.engine.stats()["feedback_samples"],
+            "feedback_samples": importance["feedback_samples"],
             "ranks": [
                 None
                 if p is None
@@ -592,7 +595,7 @@ class Job:
                 }
                 for p in self.passes
             ],
-            "importance": self.engine.stats(),
+            "importance": importance,
         }
 
     def commit_cursors(self) -> None:

@@ -43,13 +43,22 @@ from loaderd.consumers import Consumers
 from loaderd.importance_plot import histograms
 from loaderd.job_admin import remove_job_dir, sweep
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
+from loaderd.journal import JournalWriteError
 from loaderd.limits import check_hello, check_request_size, check_rewind
 from loaderd.outbox import After, Outbox
+from loaderd.outstanding import Outstanding, still_out_in
+from loaderd.parked_opens import Group, ParkedOpens
 from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.readahead import ReadAhead
 from loaderd.shm_delivery import ShmDelivery
 from loaderd.snapshots import Snapshots
-from loaderd.state_writes import DAMAGED_STATE_ERRORS, durability_failure, quarantine
+from loaderd.state_writes import (
+    DAMAGED_STATE_ERRORS,
+    STATE_DISK,
+    durability_failure,
+    note_failed_write,
+    quarantine,
+)
 from loaderd.stats import build_stats
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.safe_files import (
@@ -86,6 +95,7 @@ class Server:
         # Locks, private directories and the TCP policy come before the store and the pools
         # open: a daemon that must refuse to start refuses before it allocates anything.
         self.state_dir = private_dir(config.state_dir, "state directory")
+        STATE_DISK.watch(self.state_dir)  # shown in stats: writes to it failing, or not
         self._curve = secure_tcp(config)  # reads the keys; binds nothing yet
         self._locks.append(
             PathLock(self.state_dir / "daemon.lock", f"state directory {self.state_dir}")
@@ -130,8 +140,11 @@ class Server:
                 config.cluster, self.store.fingerprint, self.state_dir, self._open_job
             )
         self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
-        self._parked_opens: list[tuple[bytes, Message]] = []
+        limits = config.limits
+        self.parked = ParkedOpens(limits.max_parked_opens_per_client, limits.max_parked_opens)
         self._waiting_noted: dict[tuple[bytes, int], float] = {}  # parked open -> last WAITING
+        self.outstanding = Outstanding(config.limits.max_outstanding_batches)
+        self._still_out = still_out_in(self.jobs)
         # Replies that promise something durable wait for the loop turn's commit.
         self.outbox = Outbox(self._send, self._deliver)
         self._load_jobs()
@@ -250,6 +263,7 @@ class Server:
                     worker,
                 )
         self.shm.check_dead()
+        self.outstanding.prune(self._still_out)
         durability_failure(job.save for job in self.jobs.values())
 
     def close(self) -> None:
@@ -354,6 +368,8 @@ class Server:
             reply = error_message(peek_request_id(body), ErrorCode.CORRUPT_RECORD, str(e))
         except StorageError as e:
             logger.error("%s", e)
+            if isinstance(e, JournalWriteError):
+                note_failed_write(e)
             reply = error_message(peek_request_id(body), ErrorCode.STORAGE, str(e))
         except Exception as e:
             logger.exception("request failed")
@@ -431,7 +447,8 @@ class Server:
         try:
             state = job.open_pass(m["rank"], m["worker"], m["phase"], resume)
         except NotReady as e:
-            self._parked_opens.append((identity, msg))
+            rewind = resume.epoch if resume is not None and resume.rewind else None
+            self.parked.park((job.spec.name, m["rank"], m["phase"], rewind), identity, msg, str(e))
             self._note_waiting(identity, msg.request_id, str(e))
             return None
         self._forget_other_passes(job, m["rank"], state)
@@ -470,13 +487,30 @@ class Server:
             self._send(identity, Message(MsgType.WAITING, request_id, note))
 
     def _retry_parked(self) -> None:
-        parked, self._parked_opens = self._parked_opens, []
-        for identity, msg in parked:
-            reply = self._open_pass(identity, msg)
-            if reply is not None:
-                self._send(identity, reply)
-        still = {(identity, msg.request_id) for identity, msg in self._parked_opens}
+        """Try each group of parked opens once (its first request): the rest follow it."""
+        for key, group in self.parked.take():
+            (identity, msg), rest = group.requests[0], group.requests[1:]
+            if self._reopen(identity, msg) or not rest:
+                for peer, request in rest:
+                    self._reopen(peer, request)
+                continue
+            self.parked.put_back(key, Group(group.why, rest))
+            for peer, request in rest:
+                self._note_waiting(peer, request.request_id, self.parked.why(key))
+        still = self.parked.waiting()
         self._waiting_noted = {k: t for k, t in self._waiting_noted.items() if k in still}
+
+    def _reopen(self, identity: bytes, msg: Message) -> bool:
+        """Retry one parked OPEN_PASS; False when it is parked again."""
+        try:
+            reply = self._open_pass(identity, msg)
+        except (JobError, ProtocolError) as e:  # its job reset, its rank's pass moved on
+            code = e.code if isinstance(e, JobError) else ErrorCode.BAD_MESSAGE
+            reply = error_message(msg.request_id, code, str(e))
+        if reply is None:
+            return False
+        self._send(identity, reply)
+        return True
 
     def _get_batch(self, identity: bytes, msg: Message) -> Message | None:
         m = msg.meta
@@ -489,14 +523,18 @@ class Server:
         end = Message(MsgType.END, msg.request_id, {"epoch": epoch, "phase": phase})
         if state is None:
             return end  # a request for a pass that is over
-        job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
+        acks = check_int_list("acks", m["acks"], _MAX_ACKS)
+        job.ack(state, acks)
+        self.outstanding.acked(job.spec.name, rank, epoch, phase, acks)
+        self.outstanding.check(identity)  # before anything is handed out
         got = job.assign(rank, state, m["worker"])
         if got is None:
-            if state.complete and self._parked_opens:
+            if state.complete and self.parked:
                 self._retry_parked()
             return end
         index, ids, weights = got
         key = BatchKey(job.spec.name, rank, epoch, phase, index)
+        self.outstanding.handed(identity, key, m["worker"])
         fut = self.prefetcher.submit(key, ids, weights)
         self._prefetch_ahead(job, rank, state)
         self._waiting.setdefault(key, []).append((identity, msg.request_id))
@@ -574,7 +612,9 @@ class Server:
         if not isinstance(end, bool):
             raise ProtocolError(f"ACK: field 'end' must be a bool, got {end!r}")
         if state is not None:
-            job.ack(state, check_int_list("acks", m["acks"], _MAX_ACKS))
+            acks = check_int_list("acks", m["acks"], _MAX_ACKS)
+            job.ack(state, acks)
+            self.outstanding.acked(job.spec.name, m["rank"], m["epoch"], m["phase"], acks)
             state.ended |= end and state.complete
             if state.complete:
                 self._retry_parked()
@@ -598,15 +638,16 @@ class Server:
             for key in [k for k in self._waiting if k[0] == name]:
                 for peer, request_id in self._waiting.pop(key):
                     self._send(peer, error_message(request_id, gone.code, str(gone)))
-            parked, self._parked_opens = self._parked_opens, []
-            for peer, opening in parked:
-                if opening.meta["job"] == name:
+            for parked_key, group in self.parked.take():
+                if parked_key[0] != name:
+                    self.parked.put_back(parked_key, group)
+                    continue
+                for peer, opening in group.requests:
                     self._send(peer, error_message(opening.request_id, gone.code, str(gone)))
-                else:
-                    self._parked_opens.append((peer, opening))
             self.prefetcher.drop(lambda k: k[0] == name)
             self.readahead.drop(lambda k: k[0] == name)
             self.consumers.forget_job(name)
+            self.outstanding.forget_job(name)
             job.discard()
             del self.jobs[name]
         try:
@@ -633,7 +674,7 @@ class Server:
         stats = self.stats()
         if msg.meta.get("detail") is True:  # `loaderd stats --plot`: binned, never N floats
             for name, job in self.jobs.items():
-                stats["jobs"][name]["importance_detail"] = histograms(job.engine)
+                stats["jobs"][name]["importance_detail"] = job.engine_stats.detail(histograms)
         return Message(MsgType.STATS_REPLY, msg.request_id, stats)
 
     def stats(self) -> dict[str, Any]:
@@ -660,6 +701,7 @@ class Server:
         out["readahead"] = self.readahead.stats()
         out["snapshots"] = self.snapshots.stats()
         out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
+        out["state_disk"] = STATE_DISK.stats()
         if self.cluster is not None:
             out["cluster"] = self.cluster.stats()
         if self.autotune is not None:

@@ -9,10 +9,14 @@ caught, logged (at most every few seconds, not every tick) and turned into a rep
 The same holds at start: one job's damaged file (an empty ``job.json`` or
 ``importance.npz`` after a power loss) must not keep every other job from being served.
 That job's directory is moved aside, whole, into ``quarantine/`` (never deleted).
+
+Whether state writes fail now is shown in stats (``state_disk``): failing from the first
+failed write until writes succeed again with space left on the disk.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -31,6 +35,70 @@ logger = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 10.0
 _last_logged: dict[str, float] = {}
+# After a full disk, writes that succeed mean little while this little is free: a write
+# with nothing to write succeeds on a full disk too.
+_FREE_OK_BYTES = 1 << 20
+
+
+class StateDisk:
+    """Whether the daemon's state writes fail now, since when, and why."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.since: float | None = None  # wall-clock time the current state began
+        self.failures = 0
+        self.state_dir: Path | None = None
+        self._full_dir: str | Path | None = None  # where a full disk was met
+
+    def watch(self, state_dir: Path) -> None:
+        """The daemon's state directory: where a write that names no file went."""
+        self.state_dir = state_dir
+
+    def failed(self, error: BaseException, message: str) -> None:
+        """A state write failed with ``error``."""
+        if self.error is None:
+            self.since = time.time()
+        self.error, self.failures = message, self.failures + 1
+        cause = error if isinstance(error, OSError) else error.__cause__
+        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        name = cause.filename if isinstance(cause, OSError) else None
+        where = os.path.dirname(os.fsdecode(name)) if name else self.state_dir
+        self._full_dir = where if full else None
+
+    def succeeded(self) -> None:
+        """A batch of state writes succeeded: the disk is fine again if it has room."""
+        if self.error is None:
+            return
+        if self._full_dir is not None and free_bytes(self._full_dir) < _FREE_OK_BYTES:
+            return
+        self.error, self.since, self._full_dir = None, time.time(), None
+
+    def stats(self) -> dict[str, object]:
+        """``ok``, ``error`` (None when ok), ``since``, ``failures``, ``free_bytes``."""
+        return {
+            "ok": self.error is None,
+            "error": self.error,
+            "since": self.since,
+            "failures": self.failures,
+            "free_bytes": None if self.state_dir is None else free_bytes(self.state_dir),
+        }
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s disk (0 if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+STATE_DISK = StateDisk()  # the daemon's state directory (one per process)
+
+
+def note_failed_write(error: BaseException) -> None:
+    """A request's own state write failed (a journal append): shown in stats."""
+    STATE_DISK.failed(error, f"cannot write daemon state: {error}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +124,14 @@ def durability_failure(writes: Iterable[Callable[[], None]]) -> StateWriteFailur
             write()
         except (OSError, StorageError) as e:
             message = f"cannot write daemon state: {e}"
+            STATE_DISK.failed(e, message)
             failure = failure or StateWriteFailure(message)
             now = time.monotonic()
             if now - _last_logged.get(message, -_LOG_EVERY_S) >= _LOG_EVERY_S:
                 _last_logged[message] = now
                 logger.error("%s (serving on; retried until it succeeds)", message)
+    if failure is None:
+        STATE_DISK.succeeded()
     return failure
 
 

@@ -110,6 +110,20 @@ def format_table(stats: dict[str, Any]) -> str:
                 ),
             ],
         )
+    disk = stats.get("state_disk")
+    if disk:
+        since = "" if disk.get("since") is None else f" since {_clock(disk['since'])}"
+        status = "ok" if disk["ok"] else f"WRITES FAIL{since}: {disk['error']}"
+        out += _rows(
+            "state disk",
+            [
+                ("status", status),
+                (
+                    "free",
+                    f"{human_bytes(disk['free_bytes'] or 0)} ({disk['failures']:,} failed writes)",
+                ),
+            ],
+        )
     newest = (stats.get("snapshots") or {}).get("newest")
     if newest:
         durability = stats["snapshots"].get("durability", "?")
@@ -172,6 +186,12 @@ def _importance_rows(imp: dict[str, Any]) -> list[tuple[str, str]]:
             )
         )
     return rows
+
+
+def _clock(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def _short(v: Any) -> str:

@@ -99,3 +99,40 @@ def test_full_disk_refuses_feedback_and_loses_nothing_acknowledged(
     finally:
         d.close()
         shutil.rmtree(small_disk / "state", ignore_errors=True)
+
+
+def test_a_full_state_disk_is_shown_in_stats(
+    dataset: tuple[Path, dict[str, np.ndarray]], small_disk: Path
+) -> None:
+    import sys
+
+    from tests.helpers import wait_until
+
+    d = Daemon(db=dataset[0], state_dir=small_disk / "state").start()
+    try:
+        ds = LoaderdDataset(d.address, job="shown", batch_size=64, timeout_s=10.0)
+        sum(1 for _ in ds)
+        assert ds.stats()["state_disk"]["ok"] is True
+        filler = fill(small_disk)
+        with pytest.raises(RemoteError, match="No space left on device"):
+            feedback(ds, np.tile(np.arange(N_SAMPLES), 4))
+        disk = ds.stats()["state_disk"]
+        assert disk["ok"] is False and "No space left on device" in disk["error"]
+        assert disk["since"] is not None and disk["failures"] >= 1
+        table = subprocess.run(
+            [sys.executable, "-m", "loaderd", "stats", "--socket", d.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert "state disk" in table and "WRITES FAIL" in table
+        # Still failing across ticks, with nothing left to write: a full disk is not "ok".
+        t = ds.stats()["uptime_s"]
+        wait_until(lambda: ds.stats()["uptime_s"] > t + 2.0, what="a few ticks")
+        assert ds.stats()["state_disk"]["ok"] is False
+        filler.unlink()
+        feedback(ds, np.arange(64))  # space is back
+        wait_until(lambda: ds.stats()["state_disk"]["ok"], what="the state disk ok again")
+    finally:
+        d.close()
+        shutil.rmtree(small_disk / "state", ignore_errors=True)
