@@ -12,8 +12,10 @@ A slot goes back to its ring when:
 * the consumer it was delivered to acknowledges the batch (the ``acks`` of its next
   GET_BATCH or ACK), so the trainer's tensors stay valid until it asks for the next batch;
 * that consumer opens a pass again (what it held and never acknowledged is lost);
-* that consumer's process is found dead (``loaderd.consumers`` is the one judge of that:
-  its pid, checked only inside the daemon's own pid namespace);
+* that consumer's process is found dead or its connection closed (``loaderd.consumers`` is
+  the one judge of that: its pid, checked only inside the daemon's own pid namespace, and the
+  connections ``loaderd.connections`` saw close); its entry goes too, so short-lived clients
+  leave nothing behind;
 * a batch assembled ahead of demand is dropped, or goes out over the socket instead.
 
 When every slot is lent, the batch is assembled in fresh memory and goes over the socket:
@@ -43,6 +45,7 @@ _PREFETCH = "prefetch"  # ring owner of a slot assembled ahead of demand
 _MAX_RING_BYTES = 1 << 30  # automatic sizing never takes more than this of /dev/shm...
 _MAX_SHM_SHARE = 4  # ...nor more than a quarter of what is free there
 _MIN_SLOTS = 4
+_MAX_CONSUMERS = 1 << 12  # entries kept; past it the oldest holding nothing are forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +158,24 @@ class ShmDelivery:
             return {}
         self._job_ring[job] = ring
         old = self._consumers.get(identity)
+        if old is None and not self._make_room():
+            logger.warning(
+                "%d shm consumers hold slots: job %s goes over the socket",
+                len(self._consumers),
+                job,
+            )
+            return {}
         self._consumers[identity] = _Consumer(job, old.held if old is not None else {})
         return {"shm": {"ring": ring.name, "slot_bytes": ring.slot_bytes}}
+
+    def _make_room(self) -> bool:
+        """Keep the consumer entries bounded: forget the oldest that hold no slot."""
+        if len(self._consumers) < _MAX_CONSUMERS:
+            return True
+        idle = [i for i, c in self._consumers.items() if not c.held]
+        for identity in idle[: len(self._consumers) - _MAX_CONSUMERS + 1]:
+            del self._consumers[identity]
+        return len(self._consumers) < _MAX_CONSUMERS
 
     @property
     def active(self) -> bool:
