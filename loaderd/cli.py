@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes per ring slot, e.g. 8MiB (default: one batch of the first job)",
     )
     s.add_argument(
+        "--shm-bytes",
+        type=_size,
+        default=ShmConfig().max_bytes,
+        help="the most of /dev/shm all rings together take, e.g. 256MiB (default 1GiB); "
+        "a job whose ring would not fit is served over the socket",
+    )
+    s.add_argument(
         "--no-shm", action="store_true", help="send every batch over the socket, never via /dev/shm"
     )
     s.add_argument(
@@ -336,7 +343,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             depth=args.prefetch, workers=args.workers, readahead_bytes=args.readahead_bytes
         ),
         shm=ShmConfig(
-            enabled=not args.no_shm, slots=args.shm_slots, slot_bytes=args.shm_slot_bytes
+            enabled=not args.no_shm,
+            slots=args.shm_slots,
+            slot_bytes=args.shm_slot_bytes,
+            max_bytes=args.shm_bytes,
         ),
         importance=ImportanceConfig.from_options(job_defaults, ImportanceConfig()),
         consumer_timeout_s=args.consumer_timeout,

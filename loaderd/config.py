@@ -91,8 +91,13 @@ class ShmConfig:
     slots: int | None = None  # None: ``auto_slots``, within a share of /dev/shm
     slot_bytes: int | None = None  # None: sized per job (one ring per slot size needed)
     auto_slots: int = 32
+    # All rings together never take more of /dev/shm than this (nor a quarter of what is free
+    # there): a job whose ring would not fit goes over the socket, with the reason in stats.
+    max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        if self.max_bytes <= 0:
+            raise ValueError(f"`shm_bytes` must be positive, got {self.max_bytes}")
         if self.slots is not None and not 1 <= self.slots <= 65536:
             raise ValueError(f"`shm_slots` must be in 1..65536, got {self.slots}")
         if self.slot_bytes is not None and self.slot_bytes <= 0:

@@ -4,14 +4,19 @@ their connections, and the rings stay within their cap whatever a HELLO asks for
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
+from loaderd.client.shm import SHM_DIR
+from loaderd.config import parse_size
 from loaderd.consumers import pid_namespace
+from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon, wait_until
 
 pytestmark = pytest.mark.integration
@@ -73,3 +78,56 @@ def test_pid_of_another_namespace_never_frees_a_held_slot(daemon: Daemon) -> Non
         assert s["lent_to_consumers"] == 1, "the foreign trainer still holds its slot"
         assert s["consumers"] == 1
     wait_until(lambda: shm_stats(daemon.address)["consumers"] == 0, what="closed connection")
+
+
+def _read_all(
+    address: str, arrays: dict[str, np.ndarray], job: str, batch_size: int
+) -> tuple[dict[str, Any], list[int]]:
+    """One epoch of ``job`` checked against the stored bytes; (its WELCOME's shm, ids)."""
+    ds = LoaderdDataset(address, job=job, batch_size=batch_size, timeout_s=20.0)
+    ids: list[int] = []
+    for batch in ds:
+        i = batch["id"].numpy()
+        np.testing.assert_array_equal(batch["image"].numpy(), arrays["image"][i])
+        np.testing.assert_array_equal(batch["label"].numpy(), arrays["label"][i])
+        ids += i.tolist()
+    with Connection(address, timeout_s=10.0) as conn:
+        meta = {"job": job, "rank": 0, "world_size": 1, "seed": 0, "batch_size": batch_size}
+        meta |= {"options": {}, "shm": True}
+        welcome = conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME).meta
+    ds.close()
+    return dict(welcome.get("shm") or {}), ids
+
+
+def _ring_files_bytes(stats: dict[str, Any]) -> int:
+    return sum((SHM_DIR / r["name"]).stat().st_size for r in stats["rings"])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--shm-bytes", "2MiB"], ["--shm-bytes", "2MiB", "--shm-slots", "16"]],
+    ids=["automatic-slots", "fixed-slots"],
+)
+def test_a_huge_batch_size_cannot_take_shm_past_the_cap(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, extra: list[str]
+) -> None:
+    arrays = dataset[1]
+    cap = parse_size(extra[1])
+    with Daemon(db=dataset[0], state_dir=tmp_path / "state", extra=extra) as d:
+        small, ids = _read_all(d.address, arrays, "small", 16)
+        assert small["ring"] and sorted(ids) == list(range(N_SAMPLES))
+        huge, ids = _read_all(d.address, arrays, "huge", 8192)  # slots of ~1.7 MiB: past the cap
+        assert not huge, "no ring for the huge job: its batches came over the socket"
+        assert sorted(ids) == list(range(N_SAMPLES)), "and they are the right bytes"
+        s = shm_stats(d.address)
+        assert "--shm-bytes" in s["socket_jobs"]["huge"]
+        assert "job huge goes over the socket" in d.log.read_text()
+        # The huge job fixed nothing: a later job with another slot size gets its own ring.
+        mid, ids = _read_all(d.address, arrays, "mid", 64)
+        assert mid["ring"] and mid["ring"] != small["ring"]
+        assert mid["slot_bytes"] > small["slot_bytes"]
+        assert sorted(ids) == list(range(N_SAMPLES))
+        s = shm_stats(d.address)
+        assert set(s["socket_jobs"]) == {"huge"}
+        assert len(s["rings"]) == 2
+        assert _ring_files_bytes(s) <= cap, "every ring's file together stays within the cap"
