@@ -22,6 +22,7 @@ from typing import Any
 from loaderd import __version__
 from loaderd.client.address import check_address, default_address
 from loaderd.config import (
+    KEEP_SELECTIONS,
     AutotuneConfig,
     CacheConfig,
     ClusterConfig,
@@ -126,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-dir",
         type=Path,
         help="CURVE keys for --tcp: server.key_secret and authorized/*.key (`loaderd keys`)",
+    )
+    s.add_argument(
+        "--keep-selections",
+        type=int,
+        default=KEEP_SELECTIONS,
+        metavar="K",
+        help="epochs whose selections each job keeps, so a checkpoint up to K epochs old "
+        "replays its epoch exactly (default: %(default)s)",
     )
     s.add_argument(
         "--consumer-timeout",
@@ -350,6 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ),
         importance=ImportanceConfig.from_options(job_defaults, ImportanceConfig()),
         consumer_timeout_s=args.consumer_timeout,
+        keep_selections=args.keep_selections,
         tcp=args.tcp,
         curve_dir=args.curve_dir,
         cluster=cluster_config(args, os.environ),

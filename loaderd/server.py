@@ -307,6 +307,7 @@ class Server:
             self.state_dir / "jobs" / spec.name,
             inputs=None if self.cluster is None else self.cluster.inputs,
             store=self._store_id,
+            keep_selections=self.config.keep_selections,
         )
         if self.cluster is not None:
             self.cluster.attach(job)
