@@ -11,10 +11,10 @@ batches, and taking them away from a live consumer would deliver them twice. A s
 (SIGSTOP) consumer is alive: it keeps its few batches and slows nobody else down, since the
 server loop never waits on one peer.
 
-A connection the daemon saw close (``closed``, told by ``loaderd.connections``) is dead too,
-whatever its pid, so what is kept per connection (shared-memory slots) goes with it. Its
-rank's batches still wait for the rules above: a live trainer that reconnects does so under a
-new identity, and may still hold them.
+The daemon also hears which connections closed (``connection_closed``, told by
+``loaderd.connections``), so what it keeps per connection can go with it. A closed connection
+is not a dead process: a trainer that reconnects does so under a new identity and may still
+hold its batches (and read its shared-memory slots), so those wait for the rules above.
 """
 
 from __future__ import annotations
@@ -95,20 +95,26 @@ class Consumers:
         """Whether the process behind ``identity`` runs; None when its pid cannot be checked.
 
         The one liveness judge of the daemon (shared-memory slots ask it too): a pid counts
-        only when the client is local and in this pid namespace; a closed connection is dead.
+        only when the client is local and in this pid namespace.
         """
-        if identity in self._closed:
-            return False
         pid = self._pids.get(identity)
         return None if pid is None else pid_alive(pid)
 
-    def closed(self, identity: bytes) -> None:
+    def connection_closed(self, identity: bytes) -> None:
         """The connection ``identity`` closed (its process exited or closed its socket)."""
-        self._pids.pop(identity, None)
         self._closed[identity] = None
         self._closed.move_to_end(identity)
         while len(self._closed) > _MAX_CLOSED:
             self._closed.popitem(last=False)
+
+    def is_closed(self, identity: bytes) -> bool:
+        """Whether the connection ``identity`` was seen to close (and not yet forgotten)."""
+        return identity in self._closed
+
+    def forget(self, identity: bytes) -> None:
+        """Nothing is kept for ``identity`` any more: drop its pid and closed mark."""
+        self._pids.pop(identity, None)
+        self._closed.pop(identity, None)
 
     def seen(self, key: ConsumerKey, identity: bytes) -> None:
         """The consumer sent a request just now."""

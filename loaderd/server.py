@@ -144,7 +144,7 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
         set_heartbeats(self.sock)
-        self.connections = ConnectionWatch(self.sock, self.consumers.closed)
+        self.connections = ConnectionWatch(self.sock, self.consumers.connection_closed)
         self.sock.bind(config.socket)
         self._local = config.socket.startswith(("ipc://", "inproc://"))  # peers' pids are ours
         if self._curve is not None and config.tcp is not None:

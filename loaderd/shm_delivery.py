@@ -17,11 +17,14 @@ A slot goes back to its ring when:
 * the consumer it was delivered to acknowledges the batch (the ``acks`` of its next
   GET_BATCH or ACK), so the trainer's tensors stay valid until it asks for the next batch;
 * that consumer opens a pass again (what it held and never acknowledged is lost);
-* that consumer's process is found dead or its connection closed (``loaderd.consumers`` is
-  the one judge of that: its pid, checked only inside the daemon's own pid namespace, and the
-  connections ``loaderd.connections`` saw close); its entry goes too, so short-lived clients
-  leave nothing behind;
+* that consumer's process is found dead (``loaderd.consumers`` is the one judge of that: its
+  pid, checked only inside the daemon's own pid namespace);
 * a batch assembled ahead of demand is dropped, or goes out over the socket instead.
+
+A consumer's entry goes when its process is found dead, or when its connection closed
+(``loaderd.connections`` tells ``loaderd.consumers``) and it holds no slot, so short-lived
+clients leave nothing behind. A closed connection's slots stay lent while its process may
+live: the trainer's tensors may still view them (at most the ring's slots stay so).
 
 When every slot is lent, the batch is assembled in fresh memory and goes over the socket:
 a full ring costs a copy, never a stall or a deadlock between read-ahead and consumers.
@@ -312,13 +315,21 @@ class ShmDelivery:
         return n
 
     def check_dead(self) -> None:
-        """Reclaim the slots of consumers whose process has exited (called every tick)."""
-        for identity in list(self._consumers):
-            if self._liveness.alive(identity) is False:
-                if self._consumers[identity].held:
+        """Forget the consumers that are gone (called every tick).
+
+        A consumer whose process exited loses its slots. One whose connection closed while
+        its process may live (or cannot be checked) keeps the slots it holds, since its
+        tensors may still view them, and is forgotten once it holds none; one that holds
+        nothing is forgotten at once.
+        """
+        for identity, consumer in list(self._consumers.items()):
+            dead = self._liveness.alive(identity) is False
+            if dead or (self._liveness.is_closed(identity) and not consumer.held):
+                if dead and consumer.held:
                     logger.warning("an shm consumer's process is gone: reclaiming its slots")
                 self.reclaim(identity)
                 del self._consumers[identity]
+                self._liveness.forget(identity)
 
     # --- the rest -----------------------------------------------------------------------------
 

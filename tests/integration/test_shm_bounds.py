@@ -3,6 +3,7 @@ their connections, and the rings stay within their cap whatever a HELLO asks for
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -28,21 +29,20 @@ def shm_stats(address: str) -> dict[str, Any]:
     return dict(meta["shm"])
 
 
-def test_short_lived_clients_leave_no_consumer_entries(daemon: Daemon) -> None:
-    base = shm_stats(daemon.address)
-    for _ in range(40):  # one live process, a new connection each time, each closed
-        ds = LoaderdDataset(daemon.address, job="short", batch_size=16, timeout_s=10.0)
-        it = iter(ds)
-        next(it)
-        it.close()
-        ds.close()
-    assert shm_stats(daemon.address)["delivered"] > 0, "the batches came through the ring"
+def _hello(conn: Connection, job: str, pid: int, pidns: str) -> None:
+    meta = {"job": job, "rank": 0, "world_size": 1, "seed": 0, "batch_size": 16}
+    meta |= {"options": {}, "pid": pid, "pidns": pidns, "shm": True}
+    assert conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME).meta["shm"]["ring"]
 
-    def settled() -> bool:
-        s = shm_stats(daemon.address)
-        return s["consumers"] == base["consumers"] and s["lent_to_consumers"] == 0
 
-    wait_until(settled, timeout_s=30, what="the closed clients' shm entries to go")
+def _hold_a_batch(conn: Connection, job: str) -> tuple[dict[str, Any], int]:
+    """Take one batch of ``job`` into a ring slot and keep it: (the request meta, its index)."""
+    base = {"job": job, "rank": 0, "worker": 0, "phase": "train"}
+    epoch = conn.request(MsgType.OPEN_PASS, base, expect=MsgType.PASS).meta["epoch"]
+    req = {**base, "epoch": epoch}
+    batch = conn.request(MsgType.GET_BATCH, {**req, "acks": []}, expect=MsgType.BATCH)
+    assert "shm" in batch.meta, "the batch is held in a ring slot"
+    return req, int(batch.meta["index"])
 
 
 def _dead_pid() -> int:
@@ -51,33 +51,54 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_pid_of_another_namespace_never_frees_a_held_slot(daemon: Daemon) -> None:
-    """A pid from another pid namespace says nothing here; one from ours does."""
+FOREIGN_NS = "pid:[1]" if pid_namespace() != "pid:[1]" else "pid:[2]"
 
-    def hello(conn: Connection, job: str, pid: int, pidns: str) -> None:
-        meta = {"job": job, "rank": 0, "world_size": 1, "seed": 0, "batch_size": 16}
-        meta |= {"options": {}, "pid": pid, "pidns": pidns, "shm": True}
-        assert conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME).meta["shm"]["ring"]
-        base = {"job": job, "rank": 0, "worker": 0, "phase": "train"}
-        epoch = conn.request(MsgType.OPEN_PASS, base, expect=MsgType.PASS).meta["epoch"]
-        batch = conn.request(
-            MsgType.GET_BATCH, {**base, "epoch": epoch, "acks": []}, expect=MsgType.BATCH
-        )
-        assert "shm" in batch.meta, "the batch is held in a ring slot"
 
-    foreign_ns = "pid:[1]" if pid_namespace() != "pid:[1]" else "pid:[2]"
-    with (
-        Connection(daemon.address, timeout_s=10.0) as foreign,
-        Connection(daemon.address, timeout_s=10.0) as ours,
-    ):
-        hello(foreign, "ns-foreign", _dead_pid(), foreign_ns)
-        hello(ours, "ns-ours", _dead_pid(), pid_namespace())
-        # One sweep judges every entry: once ours is reclaimed, the foreign one was looked at.
-        wait_until(lambda: shm_stats(daemon.address)["reclaimed"] >= 1, what="our dead pid")
+def test_short_lived_clients_leave_no_consumer_entries(daemon: Daemon) -> None:
+    base = shm_stats(daemon.address)
+    for n in range(40):  # one live process; half say a pid the daemon cannot check
+        with Connection(daemon.address, timeout_s=10.0) as conn:
+            _hello(conn, "short", os.getpid(), pid_namespace() if n % 2 else FOREIGN_NS)
+            req, index = _hold_a_batch(conn, "short")
+            conn.request(MsgType.ACK, {**req, "acks": [index]}, expect=MsgType.OK)
+    ds = LoaderdDataset(daemon.address, job="short-ds", batch_size=16, timeout_s=10.0)
+    assert sum(1 for _ in ds) > 0
+    ds.close()
+    assert shm_stats(daemon.address)["delivered"] >= 40, "the batches came through the ring"
+
+    def settled() -> bool:
+        s = shm_stats(daemon.address)
+        return s["consumers"] <= base["consumers"] + 1
+
+    wait_until(settled, timeout_s=30, what="the closed clients' shm entries to go")
+    s = shm_stats(daemon.address)
+    assert s["lent_to_consumers"] <= 1, "only the dataset's last batch may still be lent"
+
+
+def test_a_closed_connection_keeps_its_slots_until_its_process_dies(daemon: Daemon) -> None:
+    """Its trainer may still read them; the pid says when it cannot any more, and only a pid
+    of the daemon's own namespace: one from another namespace never frees a held slot."""
+    with subprocess.Popen(["sleep", "600"]) as trainer:
+        with (
+            Connection(daemon.address, timeout_s=10.0) as ours,
+            Connection(daemon.address, timeout_s=10.0) as foreign,
+        ):
+            _hello(ours, "held", trainer.pid, pid_namespace())
+            _hold_a_batch(ours, "held")
+            _hello(foreign, "held-foreign", _dead_pid(), FOREIGN_NS)
+            _hold_a_batch(foreign, "held-foreign")
+        with Connection(daemon.address, timeout_s=10.0) as idle:  # closed, holding nothing
+            _hello(idle, "held-idle", os.getpid(), pid_namespace())
+        # One sweep judges every entry: once the idle one is gone, the others were judged.
+        wait_until(lambda: shm_stats(daemon.address)["consumers"] == 2, what="the idle entry")
+        s = shm_stats(daemon.address)
+        assert s["lent_to_consumers"] == 2 and s["reclaimed"] == 0
+        trainer.kill()
+        trainer.wait()
+        wait_until(lambda: shm_stats(daemon.address)["reclaimed"] == 1, what="the dead pid")
         s = shm_stats(daemon.address)
         assert s["lent_to_consumers"] == 1, "the foreign trainer still holds its slot"
         assert s["consumers"] == 1
-    wait_until(lambda: shm_stats(daemon.address)["consumers"] == 0, what="closed connection")
 
 
 def _read_all(
