@@ -22,6 +22,7 @@ from typing import Any
 from loaderd import __version__
 from loaderd.client.address import check_address, default_address
 from loaderd.config import (
+    KEEP_SELECTIONS,
     AutotuneConfig,
     CacheConfig,
     ClusterConfig,
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes per ring slot, e.g. 8MiB (default: one batch of the first job)",
     )
     s.add_argument(
+        "--shm-bytes",
+        type=_size,
+        default=ShmConfig().max_bytes,
+        help="the most of /dev/shm all rings together take, e.g. 256MiB (default 1GiB); "
+        "a job whose ring would not fit is served over the socket",
+    )
+    s.add_argument(
         "--no-shm", action="store_true", help="send every batch over the socket, never via /dev/shm"
     )
     s.add_argument(
@@ -119,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-dir",
         type=Path,
         help="CURVE keys for --tcp: server.key_secret and authorized/*.key (`loaderd keys`)",
+    )
+    s.add_argument(
+        "--keep-selections",
+        type=int,
+        default=KEEP_SELECTIONS,
+        metavar="K",
+        help="epochs whose selections each job keeps, so a checkpoint up to K epochs old "
+        "replays its epoch exactly (default: %(default)s)",
     )
     s.add_argument(
         "--consumer-timeout",
@@ -336,10 +352,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             depth=args.prefetch, workers=args.workers, readahead_bytes=args.readahead_bytes
         ),
         shm=ShmConfig(
-            enabled=not args.no_shm, slots=args.shm_slots, slot_bytes=args.shm_slot_bytes
+            enabled=not args.no_shm,
+            slots=args.shm_slots,
+            slot_bytes=args.shm_slot_bytes,
+            max_bytes=args.shm_bytes,
         ),
         importance=ImportanceConfig.from_options(job_defaults, ImportanceConfig()),
         consumer_timeout_s=args.consumer_timeout,
+        keep_selections=args.keep_selections,
         tcp=args.tcp,
         curve_dir=args.curve_dir,
         cluster=cluster_config(args, os.environ),

@@ -91,8 +91,13 @@ class ShmConfig:
     slots: int | None = None  # None: ``auto_slots``, within a share of /dev/shm
     slot_bytes: int | None = None  # None: sized per job (one ring per slot size needed)
     auto_slots: int = 32
+    # All rings together never take more of /dev/shm than this (nor a quarter of what is free
+    # there): a job whose ring would not fit goes over the socket, with the reason in stats.
+    max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        if self.max_bytes <= 0:
+            raise ValueError(f"`shm_bytes` must be positive, got {self.max_bytes}")
         if self.slots is not None and not 1 <= self.slots <= 65536:
             raise ValueError(f"`shm_slots` must be in 1..65536, got {self.slots}")
         if self.slot_bytes is not None and self.slot_bytes <= 0:
@@ -100,6 +105,8 @@ class ShmConfig:
 
 
 AUTOTUNE_MODES = ("q", "hill")
+KEEP_SELECTIONS = 4  # epochs of selections a job keeps by default: each is ids and weights
+MAX_KEEP_SELECTIONS = 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -270,6 +277,9 @@ class DaemonConfig:
     # Jobs idle longer than this are removed when the daemon starts (loaderd.job_admin); 0 keeps
     # every job.
     job_retention_s: float = 30 * 86400.0
+    # Each job keeps the selections of its newest K epochs on disk (one small file each), so a
+    # trainer restored from a checkpoint up to K epochs old replays exactly that epoch.
+    keep_selections: int = KEEP_SELECTIONS
 
     def __post_init__(self) -> None:
         if not self.socket.startswith(("ipc://", "tcp://", "inproc://")):
@@ -279,5 +289,9 @@ class DaemonConfig:
         if self.socket.startswith("ipc://") and len(self.socket) - 6 > 100:
             # sockaddr_un holds 107 bytes; longer ipc paths fail late and obscurely in libzmq.
             raise ValueError(f"`socket` path is longer than 100 characters: {self.socket}")
+        if not 1 <= self.keep_selections <= MAX_KEEP_SELECTIONS:
+            raise ValueError(
+                f"`keep_selections` must be in 1..{MAX_KEEP_SELECTIONS}, got {self.keep_selections}"
+            )
         if not self.job_retention_s >= 0:  # also refuses NaN
             raise ValueError(f"`job_retention_s` must be >= 0, got {self.job_retention_s}")

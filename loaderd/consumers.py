@@ -10,6 +10,11 @@ signal on purpose: a trainer may spend minutes on one step while holding its pre
 batches, and taking them away from a live consumer would deliver them twice. A stopped
 (SIGSTOP) consumer is alive: it keeps its few batches and slows nobody else down, since the
 server loop never waits on one peer.
+
+The daemon also hears which connections closed (``connection_closed``, told by
+``loaderd.connections``), so what it keeps per connection can go with it. A closed connection
+is not a dead process: a trainer that reconnects does so under a new identity and may still
+hold its batches (and read its shared-memory slots), so those wait for the rules above.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 ConsumerKey = tuple[str, int, int]  # job, rank, worker
 _MAX_PEERS = 1 << 16  # identities remembered for their pid (oldest forgotten first)
+_MAX_CLOSED = 1 << 12  # closed connections remembered until the next tick has looked
 
 
 def pid_namespace() -> str:
@@ -71,11 +77,13 @@ class Consumers:
         self.timeout_s = timeout_s
         self._ns = pid_namespace()
         self._pids: OrderedDict[bytes, int] = OrderedDict()
+        self._closed: OrderedDict[bytes, None] = OrderedDict()  # connections seen to close
         self._seen: dict[ConsumerKey, _Seen] = {}
         self.gone_total = 0
 
     def hello(self, identity: bytes, pid: object, pidns: object, local: bool) -> None:
         """Remember the pid of the process behind ``identity`` when the daemon can check it."""
+        self._closed.pop(identity, None)  # a client may reconnect under its own routing id
         if not (local and isinstance(pid, int) and pid > 0 and pidns == self._ns and self._ns):
             return
         self._pids[identity] = pid
@@ -91,6 +99,22 @@ class Consumers:
         """
         pid = self._pids.get(identity)
         return None if pid is None else pid_alive(pid)
+
+    def connection_closed(self, identity: bytes) -> None:
+        """The connection ``identity`` closed (its process exited or closed its socket)."""
+        self._closed[identity] = None
+        self._closed.move_to_end(identity)
+        while len(self._closed) > _MAX_CLOSED:
+            self._closed.popitem(last=False)
+
+    def is_closed(self, identity: bytes) -> bool:
+        """Whether the connection ``identity`` was seen to close (and not yet forgotten)."""
+        return identity in self._closed
+
+    def forget(self, identity: bytes) -> None:
+        """Nothing is kept for ``identity`` any more: drop its pid and closed mark."""
+        self._pids.pop(identity, None)
+        self._closed.pop(identity, None)
 
     def seen(self, key: ConsumerKey, identity: bytes) -> None:
         """The consumer sent a request just now."""

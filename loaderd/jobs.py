@@ -188,6 +188,8 @@ class Job:
             its re-score barrier spans every node's ranks, so the job's own is not used).
         store: the fingerprint of the store the job is built on; saved state of another
             store is refused (JOB_CONFLICT), never silently continued.
+        keep_selections: the newest epochs whose selections are kept (on disk and in
+            memory): a checkpoint that old replays its epoch exactly, an older one is refused.
     """
 
     def __init__(
@@ -198,7 +200,11 @@ class Job:
         state_dir: Path | None,
         inputs: PassInputs | None = None,
         store: str = "",
+        keep_selections: int = 4,
     ) -> None:
+        if keep_selections < 1:
+            raise ValueError(f"`keep_selections` must be >= 1, got {keep_selections}")
+        self.keep_selections = keep_selections
         self.spec = spec
         self.inputs = inputs
         self.store = store
@@ -274,6 +280,7 @@ class Job:
         delivered: list[int] = []
         if resume is not None and resume.rewind:
             if phase == "train":
+                self._check_replayable(resume.epoch)
                 self._check_rescored(resume.epoch)
             plan = self._plan(resume.epoch, phase, rank)[rank]
             state = PassState.start(resume.epoch, phase, plan, set(resume.delivered))
@@ -346,10 +353,7 @@ class Job:
         nxt = epoch + 1
         if self.inputs is not None or epoch < 0 or (nxt, phase) in self._plans:
             return  # a cluster's barrier (``loaderd.cluster_view``) decides, or it is planned
-        if phase == "train" and (
-            nxt in self._selections
-            or (self.dir is not None and (self.dir / f"selection-{nxt}.npz").exists())
-        ):
+        if phase == "train" and self._has_selection(nxt):
             return
         if not self.engine.plans_from_losses(nxt, phase):
             return
@@ -360,6 +364,44 @@ class Job:
                 f"job {self.spec.name!r} epoch {nxt}'s {phase} pass is planned from every "
                 f"rank's losses of epoch {epoch}: waiting for rank(s) {shown} to finish it"
             )
+
+    def _check_replayable(self, epoch: int) -> None:
+        """Refuse a rewind to an epoch whose selection is gone: it would train other samples.
+
+        A selection is a function of the statistics at the time it was made; made again
+        today it would pick other samples, so the checkpoint's epoch could not be replayed.
+        Epochs that train every sample need nothing kept.
+
+        Raises:
+            JobError: the epoch was selected and its selection is no longer kept.
+        """
+        if self.inputs is not None or epoch >= self.epoch or self._has_selection(epoch):
+            return
+        if self.engine.selects_all(epoch):
+            return
+        kept = self.kept_selections()
+        oldest = f"the oldest kept is epoch {kept[0]}" if kept else "none is kept"
+        raise JobError(
+            f"job {self.spec.name!r}: cannot replay epoch {epoch} of a checkpoint, its "
+            f"selection is no longer kept ({oldest}; the daemon keeps the newest "
+            f"{self.keep_selections}, --keep-selections): restore a newer checkpoint"
+        )
+
+    def _has_selection(self, epoch: int) -> bool:
+        if epoch in self._selections:
+            return True
+        return self.dir is not None and (self.dir / f"selection-{epoch}.npz").exists()
+
+    def kept_selections(self) -> list[int]:
+        """The epochs whose selections are kept, oldest first."""
+        epochs = set(self._selections)
+        if self.dir is not None:
+            for path in self.dir.glob("selection-*.npz"):
+                try:
+                    epochs.add(int(path.stem.split("-")[1]))
+                except (IndexError, ValueError):
+                    continue
+        return sorted(epochs)
 
     def _check_rescored(self, epoch: int) -> None:
         """Plan a selecting epoch only after every rank has re-scored it, if any rank does.
@@ -516,12 +558,19 @@ class Job:
                 if path is not None:
                     self._save_arrays(path, {"ids": sel[0], "weights": sel[1]})
                     self.save_engine()
-                    for old in self.dir.glob("selection-*.npz"):  # type: ignore[union-attr]
-                        if int(old.stem.split("-")[1]) < epoch - 1:
-                            old.unlink()
-            self._selections = {e: s for e, s in self._selections.items() if e >= epoch - 1}
             self._selections[epoch] = sel
+            self._forget_old_selections()
         return sel
+
+    def _forget_old_selections(self) -> None:
+        """Keep the newest ``keep_selections`` epochs' selections, in memory and on disk."""
+        kept = self.kept_selections()
+        if len(kept) <= self.keep_selections:
+            return
+        for epoch in kept[: len(kept) - self.keep_selections]:
+            self._selections.pop(epoch, None)
+            if self.dir is not None:
+                (self.dir / f"selection-{epoch}.npz").unlink(missing_ok=True)
 
     # --- feedback -----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from loaderd.client.protocol import (
     peek_request_id,
 )
 from loaderd.config import DaemonConfig
+from loaderd.connections import ConnectionWatch
 from loaderd.consumers import Consumers
 from loaderd.importance_plot import histograms
 from loaderd.job_admin import remove_job_dir, sweep
@@ -156,6 +157,7 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
         set_heartbeats(self.sock)
+        self.connections = ConnectionWatch(self.sock, self.consumers.connection_closed)
         self.sock.bind(config.socket)
         self._local = config.socket.startswith(("ipc://", "inproc://"))  # peers' pids are ours
         if self._curve is not None and config.tcp is not None:
@@ -262,6 +264,7 @@ class Server:
                     n,
                     worker,
                 )
+        self.connections.poll()
         self.shm.check_dead()
         self.outstanding.prune(self._still_out)
         durability_failure(job.save for job in self.jobs.values())
@@ -270,6 +273,7 @@ class Server:
         """Flush every job's state, close the socket and remove the socket file (idempotent)."""
         if self.sock.closed:
             return
+        self.connections.close()
         self.sock.close()
         if self._curve is not None:
             self._curve.close()
@@ -317,6 +321,7 @@ class Server:
             self.state_dir / "jobs" / spec.name,
             inputs=None if self.cluster is None else self.cluster.inputs,
             store=self._store_id,
+            keep_selections=self.config.keep_selections,
         )
         if self.cluster is not None:
             self.cluster.attach(job)
@@ -341,6 +346,7 @@ class Server:
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         identity, body = frames[0].bytes, frames[1:]
+        self.connections.seen(identity, frames[-1])
         if self._curve is not None:
             self._local = not is_curve_peer(frames[-1])  # a remote pid means nothing here
         try:

@@ -3,18 +3,28 @@
 A trainer on this host says ``"shm": true`` in HELLO; the daemon then makes sure a ring with
 slots large enough for that job's batches exists (one ring per slot size that some job needs,
 so a later job with bigger batches gets its own ring instead of the socket) and answers
-``"shm": {"ring": name}`` in WELCOME. The assembler writes the batches of such a job straight
-into a slot (``allocator_for``: one copy, out of the cache or the store) and the BATCH
-carries a ``SlotDescriptor`` instead of payload frames.
+``"shm": {"ring": name}`` in WELCOME. All rings together stay within ``ShmConfig.max_bytes``
+(``--shm-bytes``, 1 GiB by default) and a quarter of what /dev/shm has free: a job whose
+ring would not fit, however large its ``batch_size``, is answered without ``"shm"`` and
+served over the socket, its reason logged and kept in stats (``socket_jobs``).
+
+The assembler writes the batches of a job with a ring straight into a slot
+(``allocator_for``: one copy, out of the cache or the store) and the BATCH carries a
+``SlotDescriptor`` instead of payload frames.
 
 A slot goes back to its ring when:
 
 * the consumer it was delivered to acknowledges the batch (the ``acks`` of its next
   GET_BATCH or ACK), so the trainer's tensors stay valid until it asks for the next batch;
 * that consumer opens a pass again (what it held and never acknowledged is lost);
-* that consumer's process is found dead (``loaderd.consumers`` is the one judge of that:
-  its pid, checked only inside the daemon's own pid namespace);
+* that consumer's process is found dead (``loaderd.consumers`` is the one judge of that: its
+  pid, checked only inside the daemon's own pid namespace);
 * a batch assembled ahead of demand is dropped, or goes out over the socket instead.
+
+A consumer's entry goes when its process is found dead, or when its connection closed
+(``loaderd.connections`` tells ``loaderd.consumers``) and it holds no slot, so short-lived
+clients leave nothing behind. A closed connection's slots stay lent while its process may
+live: the trainer's tensors may still view them (at most the ring's slots stay so).
 
 When every slot is lent, the batch is assembled in fresh memory and goes over the socket:
 a full ring costs a copy, never a stall or a deadlock between read-ahead and consumers.
@@ -30,7 +40,16 @@ from functools import partial
 from typing import Any
 
 from loaderd.client.protocol import Buffer
-from loaderd.client.shm import ShmError, SlotDescriptor, layout_bytes
+from loaderd.client.shm import (
+    GEN,
+    GEN_TABLE_OFFSET,
+    MAX_SLOT_BYTES,
+    MAX_SLOTS,
+    PAGE,
+    ShmError,
+    SlotDescriptor,
+    layout_bytes,
+)
 from loaderd.config import ShmConfig
 from loaderd.consumers import Consumers
 from loaderd.prefetch import Allocate, Batch, Placed
@@ -40,9 +59,20 @@ logger = logging.getLogger(__name__)
 
 BatchKey = tuple[Any, ...]  # opaque here but for its first element, the job's name
 _PREFETCH = "prefetch"  # ring owner of a slot assembled ahead of demand
-_MAX_RING_BYTES = 1 << 30  # automatic sizing never takes more than this of /dev/shm...
-_MAX_SHM_SHARE = 4  # ...nor more than a quarter of what is free there
-_MIN_SLOTS = 4
+_MAX_SHM_SHARE = 4  # rings never take more than a quarter of what is free in /dev/shm
+_MIN_SLOTS = 4  # fewer (automatic sizing) and the socket serves the job as well
+_MAX_REASONS = 256  # jobs whose reason for the socket path stats remember
+_MAX_CONSUMERS = 1 << 12  # entries kept; past it the oldest holding nothing are forgotten
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _ring_bytes(slots: int, slot_bytes: int) -> int:
+    """The size of a ring's file in /dev/shm (``LentRing.create``'s layout)."""
+    header = _round_up(GEN_TABLE_OFFSET + GEN.size * slots, PAGE)
+    return header + slots * _round_up(slot_bytes, PAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +119,7 @@ class ShmDelivery:
         self._job_ring: dict[str, LentRing] = {}
         self._consumers: dict[bytes, _Consumer] = {}
         self._failed = False
+        self.socket_jobs: dict[str, str] = {}  # job -> why it goes over the socket
         self.delivered = 0  # batches sent as descriptors
         self.socket_fallbacks = 0  # batches for shm consumers that went over the socket
         self.ring_full = 0  # assemblies that found no free slot
@@ -105,8 +136,12 @@ class ShmDelivery:
             return self.config.slot_bytes
         return layout_bytes(self._slot_bytes_for(batch_size))
 
-    def _ring_for(self, batch_size: int) -> LentRing | None:
-        """A ring whose slots hold a batch of this size, made if none fits (None: cannot)."""
+    def _ring_for(self, job: str, batch_size: int) -> LentRing | None:
+        """A ring whose slots hold a batch of this size, made if none fits.
+
+        None when no ring can be had within the cap; the reason is logged and kept for the
+        job's entry in ``socket_jobs`` (stats), and the job is served over the socket.
+        """
         if self._failed or not self.config.enabled:
             return None
         need = self.slot_bytes(batch_size)
@@ -114,34 +149,49 @@ class ShmDelivery:
         if fits:
             return min(fits, key=lambda r: r.slot_bytes)
         if self.config.slot_bytes is not None and self.rings:
-            return None  # one fixed-size ring, too small for this job
-        budget = self._budget() - sum(r.slots * r.slot_bytes for r in self.rings)
-        slots = self.config.slots or min(self.config.auto_slots, budget // max(need, 1))
-        if self.config.slots is None and slots < _MIN_SLOTS:
-            logger.warning(
-                "no room in /dev/shm for a ring of %d-byte slots: batch size %d goes over "
-                "the socket",
-                need,
-                batch_size,
+            return self._refuse(job, f"the fixed {need}-byte slots are in use by another ring")
+        slot = _round_up(need, PAGE)
+        if slot > MAX_SLOT_BYTES:
+            return self._refuse(job, f"a batch of {batch_size} needs {need}-byte slots")
+        left = self._budget() - sum(_ring_bytes(r.slots, r.slot_bytes) for r in self.rings)
+        want = self.config.slots or self.config.auto_slots
+        slots = min(want, MAX_SLOTS, max(left, 0) // slot)
+        while slots and _ring_bytes(slots, slot) > left:
+            slots -= 1
+        if slots < (want if self.config.slots is not None else _MIN_SLOTS):
+            return self._refuse(
+                job,
+                f"{max(slots, _MIN_SLOTS) if self.config.slots is None else want} slots of "
+                f"{slot} bytes (batch size {batch_size}) do not fit in the {max(left, 0)} bytes "
+                f"left of the shm cap ({self.config.max_bytes} bytes, --shm-bytes)",
             )
-            return None
         try:
             ring = LentRing.create(slots, need)
         except (ShmError, ValueError) as e:
-            if not self.rings:
-                self._failed = True
-            logger.warning("shared-memory delivery off for batch size %d: %s", batch_size, e)
-            return None
+            if not self.rings and need <= 1 << 20:
+                self._failed = True  # not even a small ring: /dev/shm is unusable here
+            return self._refuse(job, str(e))
         self.rings.append(ring)
         return ring
 
+    def _refuse(self, job: str, reason: str) -> LentRing | None:
+        """Log and keep why ``job`` gets no ring; None (the caller's answer)."""
+        logger.warning("job %s goes over the socket, not shared memory: %s", job, reason)
+        self.socket_jobs.pop(job, None)
+        self.socket_jobs[job] = reason
+        while len(self.socket_jobs) > _MAX_REASONS:
+            del self.socket_jobs[next(iter(self.socket_jobs))]
+        return None
+
     def _budget(self) -> int:
+        """Bytes all rings together may take: the cap, and a share of what /dev/shm has free."""
         try:
             st = os.statvfs("/dev/shm")
-            free = st.f_bavail * st.f_frsize + sum(r.slots * r.slot_bytes for r in self.rings)
+            ours = sum(_ring_bytes(r.slots, r.slot_bytes) for r in self.rings)
+            free = st.f_bavail * st.f_frsize + ours
         except OSError:
-            free = _MAX_RING_BYTES * _MAX_SHM_SHARE
-        return min(_MAX_RING_BYTES, free // _MAX_SHM_SHARE)
+            return self.config.max_bytes
+        return min(self.config.max_bytes, free // _MAX_SHM_SHARE)
 
     def hello(self, identity: bytes, meta: dict[str, Any], batch_size: int) -> dict[str, Any]:
         """Register a consumer's HELLO; the extra WELCOME meta (``{"shm": {...}}`` or {})."""
@@ -150,13 +200,26 @@ class ShmDelivery:
             self._consumers.pop(identity, None)
             return {}
         job = str(meta.get("job"))
-        ring = self._job_ring.get(job) or self._ring_for(batch_size)
+        ring = self._job_ring.get(job) or self._ring_for(job, batch_size)
         if ring is None:
             return {}
+        self.socket_jobs.pop(job, None)
         self._job_ring[job] = ring
         old = self._consumers.get(identity)
+        if old is None and not self._make_room():
+            self._refuse(job, f"{len(self._consumers)} shm consumers hold slots")
+            return {}
         self._consumers[identity] = _Consumer(job, old.held if old is not None else {})
         return {"shm": {"ring": ring.name, "slot_bytes": ring.slot_bytes}}
+
+    def _make_room(self) -> bool:
+        """Keep the consumer entries bounded: forget the oldest that hold no slot."""
+        if len(self._consumers) < _MAX_CONSUMERS:
+            return True
+        idle = [i for i, c in self._consumers.items() if not c.held]
+        for identity in idle[: len(self._consumers) - _MAX_CONSUMERS + 1]:
+            del self._consumers[identity]
+        return len(self._consumers) < _MAX_CONSUMERS
 
     @property
     def active(self) -> bool:
@@ -252,13 +315,21 @@ class ShmDelivery:
         return n
 
     def check_dead(self) -> None:
-        """Reclaim the slots of consumers whose process has exited (called every tick)."""
-        for identity in list(self._consumers):
-            if self._liveness.alive(identity) is False:
-                if self._consumers[identity].held:
+        """Forget the consumers that are gone (called every tick).
+
+        A consumer whose process exited loses its slots. One whose connection closed while
+        its process may live (or cannot be checked) keeps the slots it holds, since its
+        tensors may still view them, and is forgotten once it holds none; one that holds
+        nothing is forgotten at once.
+        """
+        for identity, consumer in list(self._consumers.items()):
+            dead = self._liveness.alive(identity) is False
+            if dead or (self._liveness.is_closed(identity) and not consumer.held):
+                if dead and consumer.held:
                     logger.warning("an shm consumer's process is gone: reclaiming its slots")
                 self.reclaim(identity)
                 del self._consumers[identity]
+                self._liveness.forget(identity)
 
     # --- the rest -----------------------------------------------------------------------------
 
@@ -282,6 +353,8 @@ class ShmDelivery:
             "socket_fallbacks": self.socket_fallbacks,
             "ring_full": self.ring_full,
             "reclaimed": self.reclaimed,
+            "max_bytes": self.config.max_bytes,
+            "socket_jobs": dict(self.socket_jobs),
         }
 
     def close(self) -> None:

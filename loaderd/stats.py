@@ -108,6 +108,7 @@ def format_table(stats: dict[str, Any]) -> str:
                     "delivered",
                     f"{shm['delivered']:,} (socket fallbacks {shm['socket_fallbacks']:,})",
                 ),
+                *((f"socket: {job}", why) for job, why in shm.get("socket_jobs", {}).items()),
             ],
         )
     disk = stats.get("state_disk")
