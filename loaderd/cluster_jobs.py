@@ -137,7 +137,11 @@ class ClusterJobs:
             return got
         if t is not None:
             t.wants[rank] = key
-        raise NotReady(f"epoch {epoch}'s {phase} pass waits for the cluster to decide it")
+        why = f"epoch {epoch}'s {phase} pass waits for the cluster to decide it"
+        stalled = self.node.stalled
+        if stalled is not None:  # told to the trainer in its WAITING notes
+            why += f", and the cluster is stalled: {stalled}"
+        raise NotReady(why)
 
     def feedback(self, job: Job, ids: np.ndarray, losses: np.ndarray, kind: str) -> None:
         """Queue a trainer's feedback for the next round (acknowledge only after :meth:`sync`).

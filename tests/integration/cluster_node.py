@@ -14,7 +14,8 @@ goes on where it was (re-sending at most the batches not yet saved).
 
 It ends once a round shows every rank of every job done with the last epoch, writing what it
 decided (digests of every pass's sample ids and weights), each engine's final state digest and
-its feedback counts to ``--out``. A ClusterError ends it with ``loaderd: error: ...`` and 1.
+its feedback counts to ``--out``. A ClusterError, or a node missing past the timeout (which a
+daemon reports and outlives), ends it with ``loaderd: error: ...`` and 1.
 """
 
 from __future__ import annotations
@@ -218,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         while not all(j.done for j in jobs):
             if cluster.failure is not None:
                 raise cluster.failure
+            if cluster.stalled is not None:  # a daemon keeps trying; this stand-in gives up
+                stalled = cluster.stalled
+                cluster.close()  # its thread's next attempt would log after the error line
+                raise stalled
             select.select([cluster.wake_fd], [], [], 0.05)
             for rnd in cluster.rounds():
                 for block in rnd.entries():

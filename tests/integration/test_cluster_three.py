@@ -7,10 +7,16 @@ with the same command; its trainers reconnect and go on. Every epoch must still 
 what the plan promises: the training pass's shares disjoint, equal, and together exactly the
 selection the nodes agreed on (re-score passes likewise), with every node holding the same
 selection, decided from the same history.
+
+Node 0 hosts the rendezvous store. Killed, the other daemons stay up: past
+``--cluster-timeout`` they report the missing node in their log and stats and keep trying,
+they go on serving the passes already decided, and they re-form the group with node 0's
+restarted daemon.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +37,6 @@ pytestmark = pytest.mark.integration
 
 NODES = 3
 RANKS_PER_NODE = 2
-WORLD = NODES * RANKS_PER_NODE
 EPOCHS = 4  # two warm-up epochs, then two selecting ones
 VICTIM = 2  # the node whose daemon is killed (node 0, the store's host, has its own test)
 KILL_AT = 2  # ... in the training pass of this (selecting) epoch
@@ -39,42 +44,48 @@ KILL_AT = 2  # ... in the training pass of this (selecting) epoch
 Epochs = list[tuple[list[int], list[int]]]  # per epoch: (re-scored ids, trained ids)
 
 
-def node_args(address: str, rank: int) -> list[str]:
-    return [
-        "--cluster",
-        address,
-        "--nodes",
-        str(NODES),
-        "--node-rank",
-        str(rank),
-        "--cluster-timeout",
-        "120",
-    ]
+def start_nodes(db: Path, root: Path, timeout_s: int) -> list[Daemon]:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    daemons = []
+    for r in range(NODES):
+        extra = ["--cluster", address, "--nodes", str(NODES), "--node-rank", str(r)]
+        extra += ["--cluster-timeout", str(timeout_s)]
+        daemons.append(Daemon(db=db, state_dir=root / f"node{r}", extra=extra))
+    return daemons
 
 
 @pytest.fixture
-def nodes(dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> Iterator[list[Daemon]]:
-    address = f"tcp://127.0.0.1:{free_port()}"
-    daemons = [
-        Daemon(db=dataset[0], state_dir=tmp_path / f"node{r}", extra=node_args(address, r))
-        for r in range(NODES)
-    ]
+def dbroot(dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> tuple[Path, Path]:
+    return dataset[0], tmp_path
+
+
+@contextlib.contextmanager
+def running(daemons: list[Daemon]) -> Iterator[list[Daemon]]:
     try:
-        for d in daemons:
-            d.start()
+        with ThreadPoolExecutor(len(daemons)) as pool:  # each start waits for its daemon
+            for started in [pool.submit(d.start) for d in daemons]:
+                started.result()
         yield daemons
     finally:
-        for d in daemons:
-            d.close()
+        with ThreadPoolExecutor(len(daemons)) as pool:
+            list(pool.map(Daemon.close, daemons))
 
 
-class KillGate:
-    """Holds one rank of the victim node after its first batch of epoch ``KILL_AT``'s
-    training pass, until the test has killed and restarted the daemon."""
+@pytest.fixture
+def nodes(dbroot: tuple[Path, Path]) -> Iterator[list[Daemon]]:
+    with running(start_nodes(*dbroot, timeout_s=120)) as daemons:
+        yield daemons
 
-    def __init__(self) -> None:
+
+class Gate:
+    """Holds one rank after its first batch of epoch ``at``'s training pass until the test
+    opens it again (having killed a daemon)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
         self.reached = threading.Event()
-        self.restarted = threading.Event()
+        self.opened = threading.Event()
+        self.trained = threading.Event()  # the rank finished that training pass
 
     def train(self, ds: LoaderdDataset) -> list[int]:
         seen: list[int] = []
@@ -84,19 +95,20 @@ class KillGate:
             ds.feedback(batch["id"], np.ones(len(ids), np.float32))
             if not self.reached.is_set():
                 self.reached.set()
-                assert self.restarted.wait(120), "the daemon was not restarted"
+                assert self.opened.wait(120), "the test never opened the gate"
         ds.flush()
+        self.trained.set()
         return seen
 
 
-def rank_epochs(daemon: Daemon, rank: int, gate: KillGate | None) -> Epochs:
+def rank_epochs(daemon: Daemon, rank: int, world: int, epochs: int, gate: Gate | None) -> Epochs:
     """One trainer rank on its node's daemon, every epoch (re-score, then train)."""
     ds = LoaderdDataset(
         daemon.address,
         job="three",
         batch_size=16,
         rank=rank,
-        world_size=WORLD,
+        world_size=world,
         sampler="importance",
         # A request in flight when its daemon is killed is lost; the client notices by this
         # timeout and reconnects. Parked requests get WAITING notes, so it ends no wait early.
@@ -105,9 +117,9 @@ def rank_epochs(daemon: Daemon, rank: int, gate: KillGate | None) -> Epochs:
     )
     try:
         out = []
-        for epoch in range(EPOCHS):
+        for epoch in range(epochs):
             rescored = rescore_pass(ds)
-            if gate is not None and epoch == KILL_AT:
+            if gate is not None and epoch == gate.at:
                 out.append((rescored, gate.train(ds)))
             else:
                 out.append((rescored, train_pass(ds)))
@@ -116,8 +128,16 @@ def rank_epochs(daemon: Daemon, rank: int, gate: KillGate | None) -> Epochs:
         ds.close()
 
 
-def node_of(rank: int) -> int:
-    return rank // RANKS_PER_NODE
+def run_ranks(nodes: list[Daemon], per_node: int, epochs: int, gates: dict[int, Gate]) -> Any:
+    """Every rank in a thread of its own, as under torchrun; the futures of their epochs."""
+    world = NODES * per_node
+    pool = ThreadPoolExecutor(world)
+    futures = [
+        pool.submit(rank_epochs, nodes[r // per_node], r, world, epochs, gates.get(r))
+        for r in range(world)
+    ]
+    pool.shutdown(wait=False)
+    return futures
 
 
 def saved_pass(daemon: Daemon, epoch: int, phase: str) -> list[int]:
@@ -135,10 +155,11 @@ def stats(daemon: Daemon) -> dict[str, Any]:
 def check_exactly_once(nodes: list[Daemon], per_rank: list[Epochs]) -> None:
     """Each epoch: every rank's share once, disjoint, equal, together exactly the plan."""
     everything = list(range(N_SAMPLES))
-    for epoch in range(EPOCHS):
-        rescored = [per_rank[r][epoch][0] for r in range(WORLD)]
-        trained = [per_rank[r][epoch][1] for r in range(WORLD)]
-        for r in range(WORLD):
+    world = len(per_rank)
+    for epoch in range(len(per_rank[0])):
+        rescored = [per_rank[r][epoch][0] for r in range(world)]
+        trained = [per_rank[r][epoch][1] for r in range(world)]
+        for r in range(world):
             assert len(trained[r]) == len(set(trained[r])), f"epoch {epoch} rank {r}: repeats"
         assert len({len(t) for t in trained}) == 1, f"epoch {epoch}: unequal shares"
         all_trained = sorted(i for t in trained for i in t)
@@ -159,29 +180,61 @@ def check_exactly_once(nodes: list[Daemon], per_rank: list[Epochs]) -> None:
         assert all_rescored == rescore_plans[0], f"epoch {epoch}: re-score pass not exact"
 
 
-def test_three_daemons_six_ranks_one_killed_mid_epoch(nodes: list[Daemon]) -> None:
-    gate = KillGate()
-    victim_rank = VICTIM * RANKS_PER_NODE
-    with ThreadPoolExecutor(WORLD) as pool:
-        futures = [
-            pool.submit(rank_epochs, nodes[node_of(r)], r, gate if r == victim_rank else None)
-            for r in range(WORLD)
-        ]
-        assert gate.reached.wait(120), "the victim's rank never reached the selecting epoch"
-        nodes[VICTIM].kill()  # SIGKILL in the middle of a selecting epoch's training pass
-        nodes[VICTIM].start()  # the same command; it rejoins, its trainers reconnect
-        gate.restarted.set()
-        per_rank = [f.result(timeout=240) for f in futures]
-    check_exactly_once(nodes, per_rank)
+def settle(nodes: list[Daemon]) -> list[dict[str, Any]]:
+    """Wait until every node holds every round (the same history everywhere); their stats."""
 
-    def settled() -> bool:  # every node holds every round: the same history everywhere
+    def settled() -> bool:
         got = [stats(d)["cluster"] for d in nodes]
         return len({c["round"] for c in got}) == 1 and all(
             c["pending_entries"] == 0 and c["state"] == "formed" for c in got
         )
 
     wait_until(settled, timeout_s=60, what="the three nodes at the same round")
-    for d in nodes:
-        cluster = stats(d)["cluster"]
+    out = [stats(d)["cluster"] for d in nodes]
+    for cluster in out:
         assert cluster["jobs"]["three"]["problems"] == []
-    assert stats(nodes[0])["cluster"]["generations"] >= 2  # the group re-formed after the kill
+        assert cluster["error"] is None
+    return out
+
+
+def test_three_daemons_six_ranks_one_killed_mid_epoch(nodes: list[Daemon]) -> None:
+    gate = Gate(KILL_AT)
+    futures = run_ranks(nodes, RANKS_PER_NODE, EPOCHS, {VICTIM * RANKS_PER_NODE: gate})
+    assert gate.reached.wait(120), "the victim's rank never reached the selecting epoch"
+    nodes[VICTIM].kill()  # SIGKILL in the middle of a selecting epoch's training pass
+    nodes[VICTIM].start()  # the same command; it rejoins, its trainers reconnect
+    gate.opened.set()
+    check_exactly_once(nodes, [f.result(timeout=240) for f in futures])
+    assert settle(nodes)[0]["generations"] >= 2  # the group re-formed after the kill
+
+
+def test_the_rendezvous_node_killed_the_others_report_it_and_recover(
+    dbroot: tuple[Path, Path],
+) -> None:
+    """Node 0 (the store's host) killed mid-epoch and restarted only after the others have
+    given up waiting: they stay up, say so, serve the pass already decided, then re-form."""
+    with running(start_nodes(*dbroot, timeout_s=4)) as nodes:
+        gate = Gate(1)  # node 1's rank, in the second warm-up epoch's training pass
+        futures = run_ranks(nodes, 1, 3, {1: gate})
+        assert gate.reached.wait(120), "node 1's rank never reached epoch 1"
+        nodes[0].kill()
+
+        def reported() -> bool:
+            return all(stats(d)["cluster"]["state"] == "stalled" for d in nodes[1:])
+
+        wait_until(reported, timeout_s=60, what="nodes 1 and 2 reporting node 0 missing")
+        for d in nodes[1:]:
+            cluster = stats(d)["cluster"]
+            assert cluster["error"].startswith("node 0 ("), cluster["error"]
+            assert "which hosts the rendezvous store at tcp://127.0.0.1:" in cluster["error"]
+            assert "within 4 s" in cluster["error"]
+            assert "which hosts the rendezvous store" in d.log.read_text()
+        # The pass decided before node 0 died needs no agreement: node 1 serves all of it.
+        gate.opened.set()
+        assert gate.trained.wait(120), "node 1 did not serve its decided pass without node 0"
+        assert all(d.proc is not None and d.proc.poll() is None for d in nodes[1:])
+        nodes[0].start()  # the same command: a fresh store, the others rejoin it
+        check_exactly_once(nodes, [f.result(timeout=240) for f in futures])
+        after = settle(nodes)
+        assert all(c["generations"] >= 2 for c in after[1:])
+        assert "cluster: recovered: generation" in nodes[1].log.read_text()
