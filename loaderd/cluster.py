@@ -288,6 +288,7 @@ class ClusterNode:
             "nodes": self.config.nodes,
             "state": self._state(),
             "generation": group.generation if group is not None else None,
+            "joined": [n.label for n in group.nodes] if group is not None else [],
             "round": self._have,
             "pending_entries": pending,
             **self._counters,

@@ -29,6 +29,7 @@ import pytest
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
+from loaderd.stats import format_table
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon, free_port, wait_until
 from tests.integration.test_importance_e2e import KEEP, OPTIONS, rescore_pass, train_pass
@@ -206,6 +207,44 @@ def test_three_daemons_six_ranks_one_killed_mid_epoch(nodes: list[Daemon]) -> No
     gate.opened.set()
     check_exactly_once(nodes, [f.result(timeout=240) for f in futures])
     assert settle(nodes)[0]["generations"] >= 2  # the group re-formed after the kill
+    check_global_progress(nodes)
+
+
+def check_global_progress(nodes: list[Daemon]) -> None:
+    """Every node's stats show the whole cluster: who joined, the agreed pass, every node's
+    ranks where the last round saw them (here: all done with the last epoch)."""
+    last = f"{EPOCHS - 1}:train"
+
+    def views() -> list[dict[str, Any]]:
+        return [stats(d)["cluster"]["jobs"]["three"] for d in nodes]
+
+    def all_done() -> bool:
+        progress = [v["progress"] for v in views()]
+        return all(
+            p is not None and all(n["complete"] == RANKS_PER_NODE for n in p["nodes"].values())
+            for p in progress
+        )
+
+    wait_until(all_done, timeout_s=60, what="every node's view showing every rank done")
+    got = views()
+    for view in got:
+        assert view["agreed"] == last
+        assert view["progress"] == got[0]["progress"]  # one view, whichever node is asked
+    progress = got[0]["progress"]
+    assert (progress["epoch"], progress["ranks_reporting"]) == (EPOCHS - 1, NODES * 2)
+    assert progress["nodes"] == {
+        str(n): {"ranks": [2 * n, 2 * n + 1], "at": last, "complete": 2, "waiting": 0}
+        for n in range(NODES)
+    }
+    for rank, d in enumerate(nodes):
+        full = stats(d)
+        assert len(full["cluster"]["joined"]) == NODES
+        table = format_table(full).splitlines()
+        head = f"cluster (node {rank} of {NODES}, formed, generation "
+        assert any(line.startswith(head) for line in table), table
+        assert any(f"agreed {last}, 6 of 6 ranks in round" in line for line in table), table
+        node2 = f"ranks 4,5 at {last}, 2 done, 0 waiting"
+        assert any(line.strip().startswith("node 2") and node2 in line for line in table)
 
 
 def test_the_rendezvous_node_killed_the_others_report_it_and_recover(
@@ -229,6 +268,12 @@ def test_the_rendezvous_node_killed_the_others_report_it_and_recover(
             assert "which hosts the rendezvous store at tcp://127.0.0.1:" in cluster["error"]
             assert "within 4 s" in cluster["error"]
             assert "which hosts the rendezvous store" in d.log.read_text()
+            table = format_table(stats(d))
+            assert f"cluster (node {nodes.index(d)} of {NODES}, stalled, round " in table
+            assert any(
+                line.startswith("  error ") and line.endswith(cluster["error"])
+                for line in table.splitlines()
+            ), table
         # The pass decided before node 0 died needs no agreement: node 1 serves all of it.
         gate.opened.set()
         assert gate.trained.wait(120), "node 1 did not serve its decided pass without node 0"
