@@ -10,8 +10,8 @@ selection, decided from the same history.
 
 Node 0 hosts the rendezvous store. Killed, the other daemons stay up: past
 ``--cluster-timeout`` they report the missing node in their log and stats and keep trying,
-they go on serving the passes already decided, and they re-form the group with node 0's
-restarted daemon.
+they go on serving the passes already decided, tell a trainer parked on an undecided pass
+why it waits, and re-form the group with node 0's restarted daemon.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def check_global_progress(nodes: list[Daemon]) -> None:
 
 
 def test_the_rendezvous_node_killed_the_others_report_it_and_recover(
-    dbroot: tuple[Path, Path],
+    dbroot: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Node 0 (the store's host) killed mid-epoch and restarted only after the others have
     given up waiting: they stay up, say so, serve the pass already decided, then re-form."""
@@ -278,6 +278,11 @@ def test_the_rendezvous_node_killed_the_others_report_it_and_recover(
         gate.opened.set()
         assert gate.trained.wait(120), "node 1 did not serve its decided pass without node 0"
         assert all(d.proc is not None and d.proc.poll() is None for d in nodes[1:])
+
+        def told() -> bool:  # the next pass needs agreement: the trainer is told why it waits
+            return any("the cluster is stalled: node 0 (" in r.getMessage() for r in caplog.records)
+
+        wait_until(told, timeout_s=60, what="a parked trainer told about the stall")
         nodes[0].start()  # the same command: a fresh store, the others rejoin it
         check_exactly_once(nodes, [f.result(timeout=240) for f in futures])
         after = settle(nodes)
