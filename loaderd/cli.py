@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster-timeout",
         type=float,
         metavar="SECONDS",
-        help="how long the nodes wait for a missing node before failing "
+        help="how long the nodes wait for a missing node before reporting it (then retrying) "
         f"(env LOADERD_CLUSTER_TIMEOUT; default {ClusterConfig().timeout_s:g})",
     )
     s.add_argument(

@@ -36,6 +36,7 @@ from loaderd.cluster_group import (
     ClusterError,
     Group,
     GroupBroken,
+    NodeMissingError,
     Rendezvous,
     Stopped,
 )
@@ -136,6 +137,7 @@ class ClusterNode:
         self._compacted = 0  # what was done
         self._last_round_t = 0.0
         self._failure: ClusterError | None = None
+        self._stalled: NodeMissingError | None = None  # a node missing past the timeout
         self._stop = threading.Event()
         self._kick = threading.Event()
         self.formed = threading.Event()  # set while a generation is formed
@@ -258,6 +260,15 @@ class ClusterNode:
         """Set when the cluster cannot go on (the daemon should stop with this message)."""
         return self._failure
 
+    @property
+    def stalled(self) -> NodeMissingError | None:
+        """Set while a node (node 0: the store's host) stays missing past the timeout.
+
+        Not a failure: the thread keeps trying to re-form the group and clears this once it
+        has. Meanwhile nothing that needs the nodes' agreement (a new pass) can be decided.
+        """
+        return self._stalled
+
     def compact(self, through_round: int) -> None:
         """The caller's persisted state now holds every round up to ``through_round``.
 
@@ -275,14 +286,22 @@ class ClusterNode:
         return {
             "node_rank": self.config.node_rank,
             "nodes": self.config.nodes,
-            "state": "failed" if self._failure else "formed" if self.formed.is_set() else "forming",
+            "state": self._state(),
             "generation": group.generation if group is not None else None,
+            "joined": [n.label for n in group.nodes] if group is not None else [],
             "round": self._have,
             "pending_entries": pending,
             **self._counters,
             "last_round": dict(self._last_round),
-            "error": str(self._failure) if self._failure else None,
+            "error": str(self._failure or self._stalled or "") or None,
         }
+
+    def _state(self) -> str:
+        if self._failure is not None:
+            return "failed"
+        if self.formed.is_set():
+            return "formed"
+        return "stalled" if self._stalled is not None else "forming"
 
     def __enter__(self) -> ClusterNode:
         return self
@@ -317,11 +336,14 @@ class ClusterNode:
             while not self._stop.is_set():
                 try:
                     if self._group is None:
-                        self._group = self._rdv.join(self._stop)
+                        self._group = self._join()
+                        if self._group is None:
+                            continue
                         self._counters["generations"] += 1
                         self._catch_up()
                         self._begin_life()
                         self.formed.set()
+                        self._recovered()
                     if self._wait_turn():
                         self._compact()
                         self._round()
@@ -342,6 +364,28 @@ class ClusterNode:
             if self._stop.is_set():
                 self._rdv.leave()
             self._rdv.close()
+
+    def _join(self) -> Group | None:
+        """The next generation; None after a timeout (stalled: the caller tries again)."""
+        try:
+            return self._rdv.join(self._stop)
+        except NodeMissingError as e:
+            self._stalled = e
+            logger.error("cluster: %s; still trying (stats say 'stalled')", e)
+            self._rdv.retry()
+            self._wake()
+            return None
+
+    def _recovered(self) -> None:
+        if self._stalled is not None:
+            assert self._group is not None
+            logger.warning(
+                "cluster: recovered: generation %d formed after '%s'",
+                self._group.generation,
+                self._stalled,
+            )
+            self._stalled = None
+            self._wake()
 
     def _drop_group(self, e: BaseException) -> None:
         assert self._group is not None

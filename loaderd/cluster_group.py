@@ -7,7 +7,8 @@ A node that finds its own key in the current generation (a restarted daemon, or 
 whose group broke) moves the store's ``loaderd/gen`` counter on by compare-and-set; everyone
 else follows the counter, so all nodes meet in the newest generation. The store is node 0's:
 if node 0 dies, the others reconnect until its restarted daemon hosts a fresh store (whose
-generations start again at 0) or the timeout ends in an error naming node 0.
+generations start again at 0). A node missing past the timeout (node 0 included) ends the
+join in a NodeMissingError naming it; ``ClusterNode`` reports it and joins again.
 
 At every formation the nodes compare their stores' fingerprints and refuse, in one line
 naming both nodes, to go on over different stores. Nothing here runs on the server loop.
@@ -355,6 +356,15 @@ class Rendezvous:
             if store.check([_key(g, rank)]):
                 return NodeInfo(**json.loads(store.get(_key(g, rank))))
         return None
+
+    def retry(self) -> None:
+        """After a NodeMissingError: the next join starts a fresh generation, its own deadline.
+
+        The timed-out generation is marked failed in the store; registering again in it
+        (this node's key is there) moves every node on to the next.
+        """
+        self._joining = None
+        self.drop_store()
 
     def leave(self) -> None:
         """Say in the store that this node stops on purpose (for the others' messages)."""

@@ -28,7 +28,14 @@ from typing import Any
 import numpy as np
 
 from loaderd.cluster import ClusterError, ClusterNode
-from loaderd.cluster_view import PassKey, job_view, jobs_in, plan_digest, ready_passes
+from loaderd.cluster_view import (
+    PassKey,
+    job_progress,
+    job_view,
+    jobs_in,
+    plan_digest,
+    ready_passes,
+)
 from loaderd.cluster_wire import JobStatus, RankStatus, Round
 from loaderd.config import ClusterConfig
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, pass_inputs
@@ -54,6 +61,7 @@ class _Tracked:
     inputs: dict[PassKey, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     wants: dict[int, PassKey] = field(default_factory=dict)  # local rank -> pass it waits for
     problems: set[str] = field(default_factory=set)
+    progress: dict[str, Any] | None = None  # the job on every node, as the last round showed
 
 
 class ClusterJobs:
@@ -137,7 +145,11 @@ class ClusterJobs:
             return got
         if t is not None:
             t.wants[rank] = key
-        raise NotReady(f"epoch {epoch}'s {phase} pass waits for the cluster to decide it")
+        why = f"epoch {epoch}'s {phase} pass waits for the cluster to decide it"
+        stalled = self.node.stalled
+        if stalled is not None:  # told to the trainer in its WAITING notes
+            why += f", and the cluster is stalled: {stalled}"
+        raise NotReady(why)
 
     def feedback(self, job: Job, ids: np.ndarray, losses: np.ndarray, kind: str) -> None:
         """Queue a trainer's feedback for the next round (acknowledge only after :meth:`sync`).
@@ -206,6 +218,7 @@ class ClusterJobs:
         view = job_view(rnd, t.job.spec.name)
         if view is None:
             return 0
+        t.progress = job_progress(view, rnd.number, t.job.spec.world_size)
         for problem in view.problems:
             if problem not in t.problems:
                 t.problems.add(problem)
@@ -278,12 +291,18 @@ class ClusterJobs:
                 path.unlink(missing_ok=True)
 
     def stats(self) -> dict[str, Any]:
-        """``loaderd stats``' ``cluster`` part: the node, and each job's decided passes."""
+        """``loaderd stats``' ``cluster`` part: the node, and each job as the cluster sees it.
+
+        ``agreed`` is the newest pass every node decided; ``progress`` the whole job on every
+        node as the last round showed it (``cluster_view.job_progress``).
+        """
         return {
             **self.node.stats(),
             "jobs": {
                 name: {
                     "applied_round": t.applied,
+                    "agreed": _newest(t.decided),
+                    "progress": t.progress,
                     "decided": [f"{e}:{p}" for e, p in sorted(t.decided)[-_DIGESTS:]],
                     "waiting": {str(r): f"{e}:{p}" for r, (e, p) in sorted(t.wants.items())},
                     "problems": sorted(t.problems),
@@ -301,6 +320,14 @@ class ClusterJobs:
             if t.saved < t.applied:
                 self._save(t)
         self.node.close()
+
+
+def _newest(decided: set[PassKey]) -> str | None:
+    """The newest decided pass as ``"epoch:phase"`` (an epoch's training after its re-score)."""
+    if not decided:
+        return None
+    epoch, phase = max(decided, key=lambda k: (k[0], k[1] == "train"))
+    return f"{epoch}:{phase}"
 
 
 def _phase(code: int) -> str:

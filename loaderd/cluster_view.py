@@ -166,3 +166,35 @@ def ready_passes(
             continue
         ready.append((epoch, phase))
     return ready
+
+
+def job_progress(view: JobView, round_number: int, world_size: int) -> dict[str, Any]:
+    """The job's global progress as ``round_number`` showed it, JSON-ready (``loaderd stats``).
+
+    Every node derives the same figures from the same round, so each node's stats show the
+    whole cluster's view, not only its own share.
+
+    Returns:
+        ``round``; ``ranks_reporting`` of ``world_size``; ``epoch``, the slowest rank's; and
+        per node (by node rank, as a string): its ``ranks``, the slowest one's pass ``at``
+        (``"epoch:phase"``), how many have their current pass ``complete``, and how many are
+        ``waiting`` for a pass to be decided.
+    """
+    nodes: dict[str, dict[str, Any]] = {}
+    for node in sorted(set(view.node_of.values())):
+        ranks = sorted(r for r, n in view.node_of.items() if n == node)
+        statuses = [view.ranks[r] for r in ranks]
+        slowest = min(statuses, key=lambda s: (s.epoch, -KINDS.index(s.phase)))
+        nodes[str(node)] = {
+            "ranks": ranks,
+            "at": f"{slowest.epoch}:{slowest.phase}",
+            "complete": sum(s.complete for s in statuses),
+            "waiting": sum(s.want is not None for s in statuses),
+        }
+    return {
+        "round": round_number,
+        "ranks_reporting": len(view.ranks),
+        "world_size": world_size,
+        "epoch": min((s.epoch for s in view.ranks.values()), default=None),
+        "nodes": nodes,
+    }

@@ -165,7 +165,7 @@ class ClusterConfig:
     nodes: int = 1
     node_rank: int = 0
     # How long the others wait for a node that is gone (to rejoin, or to answer a collective)
-    # before they fail with an error naming it.
+    # before they report the cluster stalled with an error naming it (and keep trying).
     timeout_s: float = 300.0
     # Cadence of the exchange rounds: feedback waits at most this long for the next round.
     round_interval_s: float = 0.25

@@ -147,6 +147,7 @@ def format_table(stats: dict[str, Any]) -> str:
                 ("last cost", "-" if cost is None else f"{cost:.4f} ({tune['last_action']})"),
             ],
         )
+    out += _cluster_rows(stats.get("cluster"))
     for name, job in stats["jobs"].items():
         rows = [
             ("epoch", f"{job['epoch']}  (world size {job['world_size']})"),
@@ -203,6 +204,43 @@ def _short(v: Any) -> str:
     if isinstance(v, dict):
         return ", ".join(f"{k}={_short(x)}" for k, x in v.items())
     return str(v)
+
+
+def _cluster_rows(cluster: dict[str, Any] | None) -> list[str]:
+    """A cluster daemon's section: the group, then each job on every node (the last round)."""
+    if not cluster:
+        return []
+    generation = cluster.get("generation")
+    head = (
+        f"cluster (node {cluster['node_rank']} of {cluster['nodes']}, {cluster['state']}"
+        f"{'' if generation is None else f', generation {generation}'}, "
+        f"round {cluster['round']})"
+    )
+    rows = [("joined", ", ".join(cluster.get("joined") or []) or "-")]
+    if cluster.get("error"):
+        rows.append(("error", cluster["error"]))
+    rows.append(("pending", f"{cluster['pending_entries']:,} losses to send"))
+    for name, job in (cluster.get("jobs") or {}).items():
+        p = job.get("progress")
+        if not p:
+            rows.append((f"job {name}", f"agreed {job.get('agreed') or '-'}"))
+            continue
+        rows.append(
+            (
+                f"job {name}",
+                f"epoch {p['epoch']} (slowest rank), agreed {job.get('agreed') or '-'}, "
+                f"{p['ranks_reporting']} of {p['world_size']} ranks in round {p['round']}",
+            )
+        )
+        for node, n in p["nodes"].items():
+            ranks = ",".join(str(r) for r in n["ranks"])
+            rows.append(
+                (
+                    f"  node {node}",
+                    f"ranks {ranks} at {n['at']}, {n['complete']} done, {n['waiting']} waiting",
+                )
+            )
+    return _rows(head, rows)
 
 
 def format_jobs(rows: list[dict[str, Any]], now: float | None = None) -> str:

@@ -14,7 +14,9 @@ goes on where it was (re-sending at most the batches not yet saved).
 
 It ends once a round shows every rank of every job done with the last epoch, writing what it
 decided (digests of every pass's sample ids and weights), each engine's final state digest and
-its feedback counts to ``--out``. A ClusterError ends it with ``loaderd: error: ...`` and 1.
+its feedback counts to ``--out``. A ClusterError, or a node missing past the timeout (which a
+daemon reports and outlives, as this does with ``--keep-trying``), ends it with
+``loaderd: error: ...`` and 1.
 """
 
 from __future__ import annotations
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per batch turn")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--interval", type=float, default=0.05)
+    p.add_argument("--keep-trying", action="store_true", help="outlive stalls, as a daemon does")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s node{args.node_rank} %(message)s")
     with SampleStore(args.db) as store:
@@ -222,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         while not all(j.done for j in jobs):
             if cluster.failure is not None:
                 raise cluster.failure
+            if cluster.stalled is not None and not args.keep_trying:  # a daemon keeps trying
+                stalled = cluster.stalled
+                cluster.close()  # its thread's next attempt would log after the error line
+                raise stalled
             select.select([cluster.wake_fd], [], [], 0.05)
             for rnd in cluster.rounds():
                 for block in rnd.entries():

@@ -213,6 +213,27 @@ def test_a_node_that_never_comes_is_named_after_the_timeout(cluster: Cluster) ->
         assert f"at tcp://127.0.0.1:{cluster.port}, seen from node " in line, line
 
 
+def test_a_node_late_past_the_timeout_stalls_the_others_until_it_comes(
+    cluster: Cluster,
+) -> None:
+    """Past the timeout the others report node 2 and try again in a fresh generation; once
+    it comes the cluster forms and the job runs to its end on every node."""
+    cluster.extra = ["--epochs", "3", "--timeout", "3", "--keep-trying"]
+    for rank in (0, 1):
+        cluster.start(rank)
+    for rank in (0, 1):
+        wait_until(
+            lambda r=rank: "node 2 never joined within 3 s" in cluster.log(r).read_text(),
+            60,
+            f"node {rank} reporting node 2",
+        )
+    cluster.start(2)
+    assert [cluster.wait(r) for r in range(NODES)] == [0] * NODES
+    check_agreement(cluster.results(), exact=True)
+    for rank in (0, 1):
+        assert "cluster: recovered: generation" in cluster.log(rank).read_text()
+
+
 def test_the_rendezvous_node_gone_for_good_is_named(cluster: Cluster) -> None:
     """Node 0 hosts the store: killed and not restarted, the others fail naming it."""
     cluster.extra = ["--epochs", "50", "--pace", "0.02", "--timeout", "8"]

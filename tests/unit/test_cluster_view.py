@@ -8,6 +8,7 @@ import pytest
 from loaderd.cluster_group import ClusterError
 from loaderd.cluster_rounds import plan_catch_up
 from loaderd.cluster_view import (
+    job_progress,
     job_view,
     jobs_in,
     missing_rescores,
@@ -44,6 +45,29 @@ def test_job_view_merges_every_nodes_ranks() -> None:
     assert sorted(view.ranks) == [0, 1, 2] and view.node_of == {0: 0, 1: 0, 2: 2}
     assert view.wanted() == [(3, "rescore")]
     assert job_view(r, "nobody") is None
+
+
+def test_job_progress_is_the_whole_job_on_every_node() -> None:
+    r = rnd(
+        {
+            "j": JobStatus(
+                SPEC, ranks(r0=RankStatus(3, "train", True), r1=RankStatus(3, "train", True))
+            )
+        },
+        {"j": JobStatus(SPEC, ranks(r2=RankStatus(3, "rescore", True, (3, "train"))))},
+    )
+    view = job_view(r, "j")
+    assert view is not None
+    assert job_progress(view, 7, 4) == {
+        "round": 7,
+        "ranks_reporting": 3,  # rank 3's node has not reported yet
+        "world_size": 4,
+        "epoch": 3,
+        "nodes": {
+            "0": {"ranks": [0, 1], "at": "3:train", "complete": 2, "waiting": 0},
+            "1": {"ranks": [2], "at": "3:rescore", "complete": 1, "waiting": 1},
+        },
+    }
 
 
 def test_job_view_names_disagreements() -> None:

@@ -157,3 +157,33 @@ def test_format_table_with_extra_tier_keys_and_no_jobs() -> None:
     assert "tier nvram" in table and "durability" in table and "adr" in table
     assert "recovered_items  17" in table
     assert "job " not in table
+
+
+def test_format_table_shows_the_cluster_view() -> None:
+    s = realistic_stats()
+    progress = {
+        "round": 25,
+        "ranks_reporting": 4,
+        "world_size": 4,
+        "epoch": 3,
+        "nodes": {
+            "0": {"ranks": [0, 1], "at": "3:train", "complete": 2, "waiting": 0},
+            "1": {"ranks": [2, 3], "at": "3:rescore", "complete": 1, "waiting": 1},
+        },
+    }
+    s["cluster"] = {
+        "node_rank": 1,
+        "nodes": 2,
+        "state": "formed",
+        "generation": 4,
+        "round": 25,
+        "joined": ["node 0 (a)", "node 1 (b)"],
+        "error": None,
+        "pending_entries": 0,
+        "jobs": {"resnet": {"agreed": "3:train", "progress": progress}},
+    }
+    lines = format_table(s).splitlines()
+    start = lines.index("cluster (node 1 of 2, formed, generation 4, round 25)")
+    assert lines[start + 1].split() == ["joined", "node", "0", "(a),", "node", "1", "(b)"]
+    assert "epoch 3 (slowest rank), agreed 3:train, 4 of 4 ranks in round 25" in lines[start + 3]
+    assert " ".join(lines[start + 5].split()) == "node 1 ranks 2,3 at 3:rescore, 1 done, 1 waiting"
