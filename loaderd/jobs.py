@@ -632,6 +632,7 @@ class Job:
             "seed": self.spec.seed,
             **self.counters,
             "feedback_samples": importance["feedback_samples"],
+            "stats_scans": self.engine_stats.scans,  # the daemon's work, not the job's history
             "ranks": [
                 None
                 if p is None

@@ -50,7 +50,6 @@ class EngineStats:
             self.scans += 1
         assert self._scanned is not None
         out.update(self._scanned[2])
-        out["stats_scans"] = self.scans
         return out
 
     def detail(self, compute: Callable[[ImportanceEngine], dict[str, Any]]) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def test_a_flood_of_stats_scans_each_job_at_most_once_a_second(daemon: Daemon) -
     ds.flush()
 
     def scans(reply: Any) -> int:
-        return int(reply.meta["jobs"]["scanned"]["importance"]["stats_scans"])
+        return int(reply.meta["jobs"]["scanned"]["stats_scans"])
 
     with Connection(daemon.address, timeout_s=60.0) as conn:
         t0 = time.monotonic()

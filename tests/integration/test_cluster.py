@@ -88,8 +88,9 @@ class Cluster:
         return min(epochs, default=-1)
 
     def error_line(self, rank: int) -> str:
+        """The node's last ``loaderd: error:`` line (a warning of its shutdown may follow)."""
         lines = self.log(rank).read_text().strip().splitlines()
-        return lines[-1] if lines else ""
+        return next((ln for ln in reversed(lines) if ln.startswith("loaderd: error:")), "")
 
     def results(self) -> list[dict[str, object]]:
         return [json.loads(self.out(r).read_text()) for r in range(NODES)]
