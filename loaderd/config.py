@@ -39,12 +39,16 @@ class CacheConfig:
     nvram_bytes: int = 8 << 30  # the arena file's size, snapshot region included
     snapshot_bytes: int | None = None  # the snapshot region (two slots); None: a quarter
     policy: str = "importance"
+    # Record bytes waiting for DRAM admission behind the serving path; 0: admit while serving.
+    admit_queue_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         from loaderd.storage.policies import POLICIES
 
         if self.dram_bytes < 0:
             raise ValueError(f"`dram_bytes` must be >= 0, got {self.dram_bytes}")
+        if self.admit_queue_bytes < 0:
+            raise ValueError(f"`dram_admit_queue` must be >= 0, got {self.admit_queue_bytes}")
         if self.policy not in POLICIES:
             raise ValueError(
                 f"`cache_policy` must be one of {', '.join(POLICIES)}, got {self.policy!r}"

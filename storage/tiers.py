@@ -6,7 +6,11 @@ from the store instead, so the trainer never sees wrong bytes) and reads the res
 store, which verifies them too. Then the policy hears of every access and answers with moves
 (admit, drop, promote, demote): DRAM moves happen at once, arena writes go to a background
 writer that batches them into ``put_many``, so the serving path never waits on a flush. Until
-it is written, a record queued for the arena is served from the write queue.
+it is written, a record queued for the arena is served from the write queue. With an
+admission queue (``admission.py``), a record read from the store enters DRAM after the read,
+on a thread of its own: the batch is served from the bytes it was assembled from, and the
+record's pages are locked (or copied) and verified again off the serving path. Until then,
+or when the queue was full and dropped it, the record is read from the store.
 
 The arena is a ring log that overwrites its oldest records. Before a batch is appended, the
 writer re-appends the live records the policy still wants that the batch would overwrite
@@ -24,6 +28,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from loaderd.storage.admission import AdmissionQueue
 from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache, Held
 from loaderd.storage.errors import CorruptRecordError, StorageError
@@ -54,6 +59,9 @@ class TierStack:
         arena: the NVRAM arena, or None for DRAM only. Its surviving records are served at
             once (a warm restart).
         policy: ``importance`` (default), ``lru`` or ``static`` (see ``policies.py``).
+        admit_queue_bytes: record bytes waiting for DRAM admission at most, admitted by a
+            background thread (full: an admission is dropped, never waited for); 0 (default)
+            admits during the read.
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class TierStack:
         arena: Arena | None = None,
         *,
         policy: str = "importance",
+        admit_queue_bytes: int = 0,
     ) -> None:
         self.store = store
         self.dram = dram if isinstance(dram, DramCache) else DramCache(dram, pin=store.pin)
@@ -89,6 +98,10 @@ class TierStack:
         self._idle = True
         self._writer: threading.Thread | None = None
         self._closed = False
+        self.admitted_late = 0  # records the admission queue put into DRAM
+        self._admissions = (
+            AdmissionQueue(admit_queue_bytes, self._admit_late) if admit_queue_bytes > 0 else None
+        )
         if arena is not None:
             adopted = sum(self.policy.adopt(i, n, ARENA) for i, n in sorted(arena.sizes().items()))
             if adopted < len(arena):
@@ -112,8 +125,9 @@ class TierStack:
         Records read from the store are views into LMDB's map, valid inside the ``with``
         block only: the caller copies them once, into its batch. Each record's checksum is
         verified once, where it crosses from a tier that can be corrupted (the store, the
-        arena); DRAM hits are served as they are. A record the policy admits into DRAM is
-        copied there (the one copy that must outlive the read).
+        arena); DRAM hits are served as they are. A record the policy admits into DRAM has
+        its pages locked or is copied there, during the read or, with an admission queue,
+        after it.
 
         Raises:
             KeyError: an id is not in the store.
@@ -159,7 +173,10 @@ class TierStack:
                     moves += access(sid, len(got[sid]), found.get(sid))
                     found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
             self._verify(missing, got)
-            if moves:
+            if moves and self._admissions is not None:
+                with self._lock:  # views for DRAM go to the admission queue
+                    self._apply(moves, got)
+            elif moves:
                 # Locking pages (or copying) for DRAM is the slow part of an admission: done
                 # before taking the lock, so that assembly threads overlap it.
                 admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
@@ -231,7 +248,7 @@ class TierStack:
             if kind == "admit":
                 rec = have[sid]
                 if tier == DRAM:
-                    self.dram.put(sid, rec, held.pop(sid, None) if held else None)
+                    self._put_dram(sid, rec, held.pop(sid, None) if held else None)
                 elif not self._queue_put(sid, bytes(rec)):
                     self.policy.forget(sid)
             elif kind == "drop":
@@ -246,12 +263,62 @@ class TierStack:
                 if got is None:
                     self.policy.forget(sid)
                     continue
-                self.dram.put(sid, got)
+                self._put_dram(sid, got)
                 self._queue_discard(sid)
             else:  # demote
                 demoted = self.dram.discard(sid) or have.get(sid)
                 if demoted is None or not self._queue_put(sid, bytes(demoted)):
                     self.policy.forget(sid)
+
+    def _put_dram(self, sid: int, rec: Record, held: Held | None = None) -> None:
+        """Admit into DRAM now, or (a view of the store, with a queue) after the read."""
+        if self._admissions is None or held is not None or not isinstance(rec, memoryview):
+            self.dram.put(sid, rec, held)
+        elif not self._admissions.offer(sid, rec):
+            self.policy.forget(sid)  # dropped: the next read goes to the store again
+
+    def _admit_late(self, batch: list[tuple[int, memoryview]]) -> None:
+        """The admission queue's worker: lock or copy, verify what DRAM will hold, put.
+
+        The bytes are verified where they cross into DRAM, after they were locked or copied:
+        what the tier serves later is exactly what was checked.
+        """
+        where = f"store {self.store.path} (DRAM admission)"
+        ready: list[tuple[int, Held]] = []
+        bad: list[int] = []
+        for sid, view in batch:
+            held = self.dram.hold(view)
+            try:
+                verify(held[0], sid, where)
+            except CorruptRecordError as e:
+                logger.warning("%s; not admitted", e)
+                if held[1] is not None:
+                    held[1]()
+                bad.append(sid)
+                continue
+            ready.append((sid, held))
+        with self._lock:
+            for sid in bad:
+                if self.policy.lookup(sid) == DRAM:
+                    self.policy.forget(sid)
+            for i, (sid, held) in enumerate(ready):
+                try:
+                    # Still wanted in DRAM (not dropped or moved since it was queued)?
+                    if self.policy.lookup(sid) == DRAM and self.dram.put(sid, held[0], held):
+                        self.admitted_late += 1
+                    elif self.policy.lookup(sid) == DRAM:
+                        self.policy.forget(sid)  # too large for the tier (put let go of it)
+                    elif held[1] is not None:
+                        held[1]()
+                except BaseException:
+                    for _, (_, unpin) in ready[i + 1 :]:
+                        if unpin is not None:
+                            unpin()
+                    raise
+
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued DRAM admissions are done; False on timeout."""
+        return self._admissions is None or self._admissions.flush(timeout_s)
 
     # ---- the arena writer ------------------------------------------------------------------
 
@@ -421,6 +488,8 @@ class TierStack:
             "policy": self.policy.name,
             "placements": self.placements,
         }
+        if self._admissions is not None:
+            tiers[DRAM].update(self._admissions.stats(), admitted_late=self.admitted_late)
         return {
             "cache": cache,
             "tiers": tiers,
@@ -432,6 +501,8 @@ class TierStack:
         if self._closed:
             return
         self._closed = True
+        if self._admissions is not None:
+            self._admissions.close()  # before the store's map goes away
         if self._writer is not None:
             self._stop.set()
             with self._wake:
