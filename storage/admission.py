@@ -1,11 +1,11 @@
 """DRAM admissions off the serving path: a queue bounded in bytes, drained by one thread.
 
 A record read from the store is served from the batch it was copied into. Keeping it in DRAM
-as well costs a page lock (a copy for a small record) and a checksum of the bytes the tier
-will hold; neither has to happen before the batch goes out. So the read offers the record's
-view (into the store's map, which stays mapped while the store is open) here and returns; a
-worker thread hands batches of queued records to ``admit``, which locks or copies them,
-verifies them and puts those the policy still wants (``tiers.TierStack``).
+as well costs a page lock (a copy for a small record), which does not have to happen before
+the batch goes out. So the read offers the record's view (into the store's map, which stays
+mapped while the store is open; verified by that read) here and returns; a worker thread
+hands batches of queued records to ``admit``, which locks or copies them and puts those the
+policy still wants (``tiers.TierStack``).
 
 When the queue holds its bound, an offer is refused at once (the caller forgets the admission;
 a later read may admit the record again): serving never waits for admission. Bytes count from

@@ -9,8 +9,8 @@ writer that batches them into ``put_many``, so the serving path never waits on a
 it is written, a record queued for the arena is served from the write queue. With an
 admission queue (``admission.py``), a record read from the store enters DRAM after the read,
 on a thread of its own: the batch is served from the bytes it was assembled from, and the
-record's pages are locked (or copied) and verified again off the serving path. Until then,
-or when the queue was full and dropped it, the record is read from the store.
+record's pages are locked (or copied) off the serving path. Until then, or when the queue
+was full and dropped it, the record is read from the store.
 
 The arena is a ring log that overwrites its oldest records. Before a batch is appended, the
 writer re-appends the live records the policy still wants that the batch would overwrite
@@ -278,42 +278,29 @@ class TierStack:
             self.policy.forget(sid)  # dropped: the next read goes to the store again
 
     def _admit_late(self, batch: list[tuple[int, memoryview]]) -> None:
-        """The admission queue's worker: lock or copy, verify what DRAM will hold, put.
+        """The admission queue's worker: lock (or copy) each record, then put it in DRAM.
 
-        The bytes are verified where they cross into DRAM, after they were locked or copied:
-        what the tier serves later is exactly what was checked.
+        The records were verified by the read that queued them, and what is locked here are
+        the same pages of the store's read-only map (the store is never written while it is
+        served: the assumption under which a batch is copied from a record after its check),
+        so DRAM holds verified bytes without a second checksum. A record the policy no longer
+        places in DRAM (dropped or moved since) is let go.
         """
-        where = f"store {self.store.path} (DRAM admission)"
-        ready: list[tuple[int, Held]] = []
-        bad: list[int] = []
-        for sid, view in batch:
-            held = self.dram.hold(view)
-            try:
-                verify(held[0], sid, where)
-            except CorruptRecordError as e:
-                logger.warning("%s; not admitted", e)
-                if held[1] is not None:
-                    held[1]()
-                bad.append(sid)
-                continue
-            ready.append((sid, held))
+        held = [(sid, self.dram.hold(view)) for sid, view in batch]
         with self._lock:
-            for sid in bad:
-                if self.policy.lookup(sid) == DRAM:
-                    self.policy.forget(sid)
-            for i, (sid, held) in enumerate(ready):
+            for i, (sid, (rec, unpin)) in enumerate(held):
                 try:
-                    # Still wanted in DRAM (not dropped or moved since it was queued)?
-                    if self.policy.lookup(sid) == DRAM and self.dram.put(sid, held[0], held):
-                        self.admitted_late += 1
-                    elif self.policy.lookup(sid) == DRAM:
-                        self.policy.forget(sid)  # too large for the tier (put let go of it)
-                    elif held[1] is not None:
-                        held[1]()
-                except BaseException:
-                    for _, (_, unpin) in ready[i + 1 :]:
+                    if self.policy.lookup(sid) != DRAM:
                         if unpin is not None:
                             unpin()
+                    elif self.dram.put(sid, rec, (rec, unpin)):
+                        self.admitted_late += 1
+                    else:
+                        self.policy.forget(sid)  # too large for the tier (put let go of it)
+                except BaseException:
+                    for _, (_, rest) in held[i + 1 :]:
+                        if rest is not None:
+                            rest()
                     raise
 
     def settle(self, timeout_s: float = 30.0) -> bool:
