@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=CacheConfig().admit_queue_bytes,
         help="record bytes waiting to enter DRAM behind the serving path; a full queue drops "
-        "admissions (default: 64MiB; 0: admit while serving)",
+        "admissions (default: 256MiB; 0: admit while serving)",
     )
     s.add_argument(
         "--nvram-dir",
