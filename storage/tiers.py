@@ -34,7 +34,7 @@ from loaderd.storage.dram import DramCache, Held
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.policies import ARENA, DRAM, Move, Policy, make_policy
 from loaderd.storage.records import verify
-from loaderd.storage.store import SampleStore
+from loaderd.storage.store import PIN_MIN_BYTES, SampleStore
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 ARENA_FILL: Final = 0.75
 _WRITE_QUEUE_BYTES: Final = 64 << 20  # arena admissions beyond this are skipped, not queued
 _WRITE_BATCH_BYTES: Final = 8 << 20
+_ADMIT_CHUNK: Final = 64  # late DRAM admissions put per turn at the lock
 
 Ranking = Callable[[], "np.ndarray | None"]
 Record = bytes | memoryview  # a record's bytes, or a view of them (valid during a read)
@@ -173,13 +174,14 @@ class TierStack:
                     moves += access(sid, len(got[sid]), found.get(sid))
                     found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
             self._verify(missing, got)
-            if moves and self._admissions is not None:
-                with self._lock:  # views for DRAM go to the admission queue
-                    self._apply(moves, got)
-            elif moves:
+            if moves:
                 # Locking pages (or copying) for DRAM is the slow part of an admission: done
-                # before taking the lock, so that assembly threads overlap it.
+                # before taking the lock, so that assembly threads overlap it; with a queue,
+                # records large enough to be locked are left to it (a small one's copy costs
+                # less than queueing it).
                 admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
+                if self._admissions is not None:
+                    admits = dict.fromkeys(s for s in admits if len(got[s]) < PIN_MIN_BYTES)
                 held = {s: self.dram.hold(got[s]) for s in admits}
                 try:
                     with self._lock:
@@ -287,21 +289,22 @@ class TierStack:
         places in DRAM (dropped or moved since) is let go.
         """
         held = [(sid, self.dram.hold(view)) for sid, view in batch]
-        with self._lock:
-            for i, (sid, (rec, unpin)) in enumerate(held):
-                try:
-                    if self.policy.lookup(sid) != DRAM:
-                        if unpin is not None:
-                            unpin()
-                    elif self.dram.put(sid, rec, (rec, unpin)):
-                        self.admitted_late += 1
-                    else:
-                        self.policy.forget(sid)  # too large for the tier (put let go of it)
-                except BaseException:
-                    for _, (_, rest) in held[i + 1 :]:
-                        if rest is not None:
-                            rest()
-                    raise
+        for lo in range(0, len(held), _ADMIT_CHUNK):  # short turns at the serving path's lock
+            with self._lock:
+                for i, (sid, (rec, unpin)) in enumerate(held[lo : lo + _ADMIT_CHUNK], lo):
+                    try:
+                        if self.policy.lookup(sid) != DRAM:
+                            if unpin is not None:
+                                unpin()
+                        elif self.dram.put(sid, rec, (rec, unpin)):
+                            self.admitted_late += 1
+                        else:
+                            self.policy.forget(sid)  # too large for the tier (put let it go)
+                    except BaseException:
+                        for _, (_, rest) in held[i + 1 :]:
+                            if rest is not None:
+                                rest()
+                        raise
 
     def settle(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued DRAM admissions are done; False on timeout."""

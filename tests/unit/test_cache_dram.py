@@ -243,11 +243,15 @@ def test_admission_queue_admits_after_the_read_and_locks_nothing_it_forgets(
     assert store.locked_bytes == 0
 
 
-def test_a_full_admission_queue_drops_and_the_policy_forgets(store_path: Path) -> None:
-    with SampleStore(store_path) as store:
+def test_a_full_admission_queue_drops_and_the_policy_forgets(tmp_path: Path) -> None:
+    # Records large enough to be locked go through the queue (smaller ones are copied inline).
+    path = tmp_path / "big"
+    with StoreWriter(path, SCHEMA) as w:
+        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (20 << 10)}) for i in range(100)])
+    with SampleStore(path) as store:
         truth = store.get_many(range(100))
     # A bound below one record: one admission at a time, the rest of a read's are dropped.
-    stack = TierStack(SampleStore(store_path), DramCache(1 << 20), admit_queue_bytes=1)
+    stack = TierStack(SampleStore(path), DramCache(8 << 20), admit_queue_bytes=1)
     try:
         ids = np.arange(100)
         assert stack.get_many(ids) == truth
