@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="DRAM cache size, e.g. 2GiB",
     )
     s.add_argument(
+        "--dram-admit-queue",
+        type=_size,
+        default=CacheConfig().admit_queue_bytes,
+        help="record bytes waiting to enter DRAM behind the serving path; a full queue drops "
+        "admissions (default: 256MiB; 0: admit while serving)",
+    )
+    s.add_argument(
         "--nvram-dir",
         type=Path,
         help="directory of the NVRAM arena file (a DAX mount, /dev/shm or any disk); "
@@ -347,6 +354,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             nvram_bytes=args.nvram_bytes,
             snapshot_bytes=args.snapshot_bytes,
             policy=args.cache_policy,
+            admit_queue_bytes=args.dram_admit_queue,
         ),
         prefetch=PrefetchConfig(
             depth=args.prefetch, workers=args.workers, readahead_bytes=args.readahead_bytes

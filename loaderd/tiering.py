@@ -49,7 +49,13 @@ def build_tiers(config: CacheConfig, store: SampleStore) -> TierStack:
             snapshot_bytes=config.snapshot_region_bytes,
         )
     try:
-        return TierStack(store, config.dram_bytes, arena, policy=config.policy)
+        return TierStack(
+            store,
+            config.dram_bytes,
+            arena,
+            policy=config.policy,
+            admit_queue_bytes=config.admit_queue_bytes,
+        )
     except BaseException:
         if arena is not None:
             arena.close()

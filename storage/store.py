@@ -192,7 +192,10 @@ class SampleStore:
         if index is None:
             with self._env.begin(db=self._samples, buffers=True) as txn:
                 return sum(len(txn.get(int(s).to_bytes(8, "big")) or b"") for s in ids)
-        return self._advise_ranges(index, np.asarray(ids, np.int64))
+        ids = np.asarray(ids, np.int64)
+        done = self._advise_ranges(index, ids)
+        self._advised[ids] = True  # their read need not ask again (``advise_known``)
+        return done
 
     def advise_known(self, ids: Sequence[int]) -> None:
         """``advise`` these records when their byte ranges are known already; never waits.
@@ -201,11 +204,27 @@ class SampleStore:
         synchronous page read after another (measured ~2.5 ms per 100 KB record here); asked
         for as ranges first, the batch's reads reach the device together (~0.7 us a record
         when its pages are cached already). Without an index built (the read-ahead builds
-        it) this does nothing rather than build one on the serving path.
+        it) this does nothing rather than build one on the serving path. Records that
+        ``advise`` asked for already (the read-ahead) are not asked for again: this read
+        consumes that advice, one system call a record fewer on the serving path.
         """
         index = self.__dict__.get("value_index")
-        if index is not None and len(ids) > 1:
-            self._advise_ranges(index, np.asarray(ids, np.int64))
+        if index is None or len(ids) < 2:
+            return
+        want = np.asarray(ids, np.int64)
+        advised = self._advised
+        fresh = want[~advised[want]]
+        advised[want] = False  # a later read (the next pass) is advised afresh
+        if len(fresh) > 1:
+            self._advise_ranges(index, fresh)
+
+    @cached_property
+    def _advised(self) -> np.ndarray:
+        """Per sample: advised and not read since.
+
+        Updated without a lock: a lost update costs one system call more or less, never bytes.
+        """
+        return np.zeros(self.num_samples, bool)
 
     def pin(self, record: memoryview) -> Callable[[], None] | None:
         """Lock a record's pages in RAM when it has pages of its own; returns the unlock.

@@ -6,7 +6,11 @@ from the store instead, so the trainer never sees wrong bytes) and reads the res
 store, which verifies them too. Then the policy hears of every access and answers with moves
 (admit, drop, promote, demote): DRAM moves happen at once, arena writes go to a background
 writer that batches them into ``put_many``, so the serving path never waits on a flush. Until
-it is written, a record queued for the arena is served from the write queue.
+it is written, a record queued for the arena is served from the write queue. With an
+admission queue (``admission.py``), a record read from the store enters DRAM after the read,
+on a thread of its own: the batch is served from the bytes it was assembled from, and the
+record's pages are locked (or copied) off the serving path. Until then, or when the queue
+was full and dropped it, the record is read from the store.
 
 The arena is a ring log that overwrites its oldest records. Before a batch is appended, the
 writer re-appends the live records the policy still wants that the batch would overwrite
@@ -24,12 +28,13 @@ from typing import Any, Final
 
 import numpy as np
 
+from loaderd.storage.admission import AdmissionQueue
 from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache, Held
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.policies import ARENA, DRAM, Move, Policy, make_policy
 from loaderd.storage.records import verify
-from loaderd.storage.store import SampleStore
+from loaderd.storage.store import PIN_MIN_BYTES, SampleStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ logger = logging.getLogger(__name__)
 ARENA_FILL: Final = 0.75
 _WRITE_QUEUE_BYTES: Final = 64 << 20  # arena admissions beyond this are skipped, not queued
 _WRITE_BATCH_BYTES: Final = 8 << 20
+_ADMIT_CHUNK: Final = 64  # late DRAM admissions put per turn at the lock
 
 Ranking = Callable[[], "np.ndarray | None"]
 Record = bytes | memoryview  # a record's bytes, or a view of them (valid during a read)
@@ -54,6 +60,9 @@ class TierStack:
         arena: the NVRAM arena, or None for DRAM only. Its surviving records are served at
             once (a warm restart).
         policy: ``importance`` (default), ``lru`` or ``static`` (see ``policies.py``).
+        admit_queue_bytes: record bytes waiting for DRAM admission at most, admitted by a
+            background thread (full: an admission is dropped, never waited for); 0 (default)
+            admits during the read.
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class TierStack:
         arena: Arena | None = None,
         *,
         policy: str = "importance",
+        admit_queue_bytes: int = 0,
     ) -> None:
         self.store = store
         self.dram = dram if isinstance(dram, DramCache) else DramCache(dram, pin=store.pin)
@@ -89,6 +99,10 @@ class TierStack:
         self._idle = True
         self._writer: threading.Thread | None = None
         self._closed = False
+        self.admitted_late = 0  # records the admission queue put into DRAM
+        self._admissions = (
+            AdmissionQueue(admit_queue_bytes, self._admit_late) if admit_queue_bytes > 0 else None
+        )
         if arena is not None:
             adopted = sum(self.policy.adopt(i, n, ARENA) for i, n in sorted(arena.sizes().items()))
             if adopted < len(arena):
@@ -112,8 +126,9 @@ class TierStack:
         Records read from the store are views into LMDB's map, valid inside the ``with``
         block only: the caller copies them once, into its batch. Each record's checksum is
         verified once, where it crosses from a tier that can be corrupted (the store, the
-        arena); DRAM hits are served as they are. A record the policy admits into DRAM is
-        copied there (the one copy that must outlive the read).
+        arena); DRAM hits are served as they are. A record the policy admits into DRAM has
+        its pages locked or is copied there, during the read or, with an admission queue,
+        after it.
 
         Raises:
             KeyError: an id is not in the store.
@@ -161,8 +176,12 @@ class TierStack:
             self._verify(missing, got)
             if moves:
                 # Locking pages (or copying) for DRAM is the slow part of an admission: done
-                # before taking the lock, so that assembly threads overlap it.
+                # before taking the lock, so that assembly threads overlap it; with a queue,
+                # records large enough to be locked are left to it (a small one's copy costs
+                # less than queueing it).
                 admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
+                if self._admissions is not None:
+                    admits = dict.fromkeys(s for s in admits if len(got[s]) < PIN_MIN_BYTES)
                 held = {s: self.dram.hold(got[s]) for s in admits}
                 try:
                     with self._lock:
@@ -231,7 +250,7 @@ class TierStack:
             if kind == "admit":
                 rec = have[sid]
                 if tier == DRAM:
-                    self.dram.put(sid, rec, held.pop(sid, None) if held else None)
+                    self._put_dram(sid, rec, held.pop(sid, None) if held else None)
                 elif not self._queue_put(sid, bytes(rec)):
                     self.policy.forget(sid)
             elif kind == "drop":
@@ -246,12 +265,50 @@ class TierStack:
                 if got is None:
                     self.policy.forget(sid)
                     continue
-                self.dram.put(sid, got)
+                self._put_dram(sid, got)
                 self._queue_discard(sid)
             else:  # demote
                 demoted = self.dram.discard(sid) or have.get(sid)
                 if demoted is None or not self._queue_put(sid, bytes(demoted)):
                     self.policy.forget(sid)
+
+    def _put_dram(self, sid: int, rec: Record, held: Held | None = None) -> None:
+        """Admit into DRAM now, or (a view of the store, with a queue) after the read."""
+        if self._admissions is None or held is not None or not isinstance(rec, memoryview):
+            self.dram.put(sid, rec, held)
+        elif not self._admissions.offer(sid, rec):
+            self.policy.forget(sid)  # dropped: the next read goes to the store again
+
+    def _admit_late(self, batch: list[tuple[int, memoryview]]) -> None:
+        """The admission queue's worker: lock (or copy) each record, then put it in DRAM.
+
+        The records were verified by the read that queued them, and what is locked here are
+        the same pages of the store's read-only map (the store is never written while it is
+        served: the assumption under which a batch is copied from a record after its check),
+        so DRAM holds verified bytes without a second checksum. A record the policy no longer
+        places in DRAM (dropped or moved since) is let go.
+        """
+        held = [(sid, self.dram.hold(view)) for sid, view in batch]
+        for lo in range(0, len(held), _ADMIT_CHUNK):  # short turns at the serving path's lock
+            with self._lock:
+                for i, (sid, (rec, unpin)) in enumerate(held[lo : lo + _ADMIT_CHUNK], lo):
+                    try:
+                        if self.policy.lookup(sid) != DRAM:
+                            if unpin is not None:
+                                unpin()
+                        elif self.dram.put(sid, rec, (rec, unpin)):
+                            self.admitted_late += 1
+                        else:
+                            self.policy.forget(sid)  # too large for the tier (put let it go)
+                    except BaseException:
+                        for _, (_, rest) in held[i + 1 :]:
+                            if rest is not None:
+                                rest()
+                        raise
+
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued DRAM admissions are done; False on timeout."""
+        return self._admissions is None or self._admissions.flush(timeout_s)
 
     # ---- the arena writer ------------------------------------------------------------------
 
@@ -421,6 +478,8 @@ class TierStack:
             "policy": self.policy.name,
             "placements": self.placements,
         }
+        if self._admissions is not None:
+            tiers[DRAM].update(self._admissions.stats(), admitted_late=self.admitted_late)
         return {
             "cache": cache,
             "tiers": tiers,
@@ -432,6 +491,8 @@ class TierStack:
         if self._closed:
             return
         self._closed = True
+        if self._admissions is not None:
+            self._admissions.close()  # before the store's map goes away
         if self._writer is not None:
             self._stop.set()
             with self._wake:

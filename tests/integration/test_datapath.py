@@ -89,6 +89,15 @@ def stats(address: str) -> dict[str, Any]:
         return dict(c.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)
 
 
+def admitted(address: str) -> dict[str, Any]:
+    """Wait until the daemon's DRAM admission queue is empty; its DRAM tier's stats."""
+    wait_until(
+        lambda: stats(address)["tiers"][0].get("admit_queue_bytes", 0) == 0,
+        what="the DRAM admissions queued behind the serving path",
+    )
+    return dict(stats(address)["tiers"][0])
+
+
 @pytest.fixture
 def served(store: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> Iterator[Daemon]:
     evict(store[0])  # the first epoch is a cold one
@@ -102,6 +111,7 @@ def test_store_bytes_cold_hit_socket_and_shm(
     samples = store[1]
     ds = LoaderdDataset(served.address, job="exact", batch_size=10)
     assert sorted(check_epoch(ds, samples)) == list(range(N))  # cold: read ahead, then read
+    admitted(served.address)  # DRAM admission runs behind the serving path
     assert sorted(check_epoch(ds, samples)) == list(range(N))  # hits: DRAM (locked views)
     s = ds.stats()
     assert s["readahead"]["advised_records"] > 0 and s["readahead"]["indexed"]
@@ -182,3 +192,31 @@ def test_jobs_of_different_batch_sizes_both_use_shared_memory(
     assert len(s["rings"]) == 2 and s["rings"][1]["slot_bytes"] >= 48 * IMAGE
     small.close()
     big.close()
+
+
+@pytest.mark.parametrize("queue", ["1", "0"])
+def test_dram_admission_behind_serving_or_inline(
+    queue: str, store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    # "1": a queue smaller than one record, so a batch's admissions but one are dropped (the
+    # serving path never waits for it); "0": admission during the read, as a fallback.
+    db, samples = store
+    with open(db / "data.mdb", "rb") as f:  # a warm miss: page cache warm, DRAM empty
+        while f.read(1 << 20):
+            pass
+    extra = ["--dram-bytes", "8MiB", "--dram-admit-queue", queue]
+    with Daemon(db=db, state_dir=tmp_path / "st", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="admit", batch_size=8)
+        assert sorted(check_epoch(ds, samples)) == list(range(N))
+        dram = admitted(d.address)
+        if queue == "0":
+            assert "admit_dropped" not in dram and dram["items"] == N
+        else:
+            assert dram["admit_dropped"] > 0 and dram["admitted_late"] > 0
+            assert dram["items"] == dram["admitted_late"] == N - dram["admit_dropped"]
+        hits = dram["hits"]
+        for _ in range(3):  # the store's bytes whether a sample is in DRAM yet or not
+            assert sorted(check_epoch(ds, samples)) == list(range(N))
+            dram = admitted(d.address)
+        assert dram["hits"] > hits and dram["items"] > 0
+        ds.close()
