@@ -172,7 +172,7 @@ class Placement:
         ranks = list(range(job.spec.world_size))
         self._place(
             lambda: ranking(importance, selected, rescored),
-            lambda: _Placed(name, state.epoch, ranks, np.unique(selected)),
+            lambda: _Placed(name, state.epoch, ranks, _distinct(selected, len(importance))),
         )
 
     def _on_node_pass(self, job: Job, rank: int, state: PassState) -> None:
@@ -198,7 +198,7 @@ class Placement:
         share: list[np.ndarray] = []  # filled on the tiers' thread, before the ranking is made
 
         def order() -> np.ndarray | None:
-            share.append(np.unique(np.concatenate(ids)))
+            share.append(_distinct(np.concatenate(ids), len(importance)))
             return node_ranking(importance, share[0], rescored)
 
         self._place(order, lambda: _Placed(name, state.epoch, ranks, share[0]))
@@ -245,6 +245,13 @@ class Placement:
         if cached is None or cached[0] is not latest or cached[1] is not targets:
             cached = self._summary = (latest, targets, _summary(latest, targets))
         return {**out, **cached[2]}
+
+
+def _distinct(ids: np.ndarray, n: int) -> np.ndarray:
+    """The distinct ids, ascending (a mask over the n ids: linear, no sort)."""
+    mask = np.zeros(n, np.bool_)
+    mask[ids] = True
+    return np.flatnonzero(mask).astype(np.int64, copy=False)
 
 
 def _summary(placed: _Placed, targets: np.ndarray | None) -> dict[str, Any]:
