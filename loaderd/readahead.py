@@ -33,7 +33,7 @@ from loaderd.storage.store import SampleStore
 
 logger = logging.getLogger(__name__)
 
-StreamKey = tuple[Any, ...]  # opaque: (job, rank, epoch, phase) from the server
+StreamKey = tuple[Any, ...]  # (job, rank, epoch, phase) from the server
 
 
 @dataclass(slots=True)
@@ -71,6 +71,7 @@ class ReadAhead:
         self.budget_bytes = budget_bytes
         self.idle_s = idle_s
         self._streams: dict[StreamKey, _Stream] = {}
+        self._ranks: dict[str, set[int]] = {}  # job -> every rank whose pass was followed
         self._bytes = 0
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -93,6 +94,8 @@ class ReadAhead:
         if self._thread is None:
             return
         with self._cond:
+            if isinstance(key, tuple) and len(key) >= 2:  # the server's (job, rank, ...)
+                self._ranks.setdefault(key[0], set()).add(key[1])
             s = self._streams.get(key)
             if s is None or s.plan is not plan:
                 if s is not None:
@@ -189,7 +192,11 @@ class ReadAhead:
     # --- the rest -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """The ``readahead`` section of STATS."""
+        """The ``readahead`` section of STATS.
+
+        ``ranks``: per job, every rank whose passes this daemon has read ahead since it started
+        (on a node of a cluster, only the ranks that node serves).
+        """
         with self._cond:
             return {
                 "budget_bytes": self.budget_bytes,
@@ -200,6 +207,7 @@ class ReadAhead:
                 "streams": len(self._streams),
                 "busy": self.busy,
                 "indexed": self.indexed,
+                "ranks": {job: sorted(r) for job, r in self._ranks.items()},
             }
 
     def close(self) -> None:

@@ -115,7 +115,7 @@ class Server:
         self.store = SampleStore(config.db)
         self._store_id = self.store.fingerprint.hex()  # jobs are bound to the store they use
         self.tiers = build_tiers(config.cache, self.store)
-        self.placement = Placement(self.tiers)
+        self.placement = Placement(self.tiers, node_local=config.cluster.enabled)
         self.snapshots = Snapshots(self.tiers.arena, self.state_dir / "snapshots")
         self.schema = [FieldSpec.from_json(f.to_json()) for f in self.store.schema.fields]
         self.consumers = Consumers(config.consumer_timeout_s)
@@ -458,7 +458,7 @@ class Server:
             self._note_waiting(identity, msg.request_id, str(e))
             return None
         self._forget_other_passes(job, m["rank"], state)
-        self.placement.on_pass(job, state)
+        self.placement.on_pass(job, m["rank"], state)
         self._prefetch_ahead(job, m["rank"], state)
         return Message(
             MsgType.PASS,
@@ -705,6 +705,7 @@ class Server:
         )
         out["shm"] = self.shm.stats()
         out["readahead"] = self.readahead.stats()
+        out["placement"] = self.placement.stats()
         out["snapshots"] = self.snapshots.stats()
         out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
         out["state_disk"] = STATE_DISK.stats()

@@ -118,6 +118,10 @@ class Policy:
         """Take a new ranking (ids, most important first); only ``importance`` uses it."""
         return []
 
+    def targets(self) -> np.ndarray | None:
+        """The tier the latest ranking puts each id in (-1: none); None: no ranking is kept."""
+        return None
+
     def adopt(self, sample_id: int, size: int, tier: int) -> bool:
         """Register a record a tier already holds (a warm restart); False if it does not fit."""
         if sample_id in self._where or not self.room(tier, size):
@@ -237,6 +241,14 @@ class ImportancePolicy(Policy):
         """The tier the latest ranking puts ``sample_id`` in (-1: none; None: no ranking yet)."""
         return None if self._target is None else int(self._target[sample_id])
 
+    def targets(self) -> np.ndarray | None:
+        """The tier the latest ranking puts each id in (-1: none), None before any ranking.
+
+        Read-only: a new ranking replaces the array, never changes it, so another thread may
+        read the one it got while the stack re-places.
+        """
+        return self._target
+
     def place(self, ranking: np.ndarray | None) -> list[Move]:
         """Re-place for a new epoch: DRAM gets the top of ``ranking``, the arena the next.
 
@@ -260,6 +272,7 @@ class ImportancePolicy(Policy):
             n = cap // self.record_bytes
             target[ranking[lo : lo + n]] = t
             lo += n
+        target.flags.writeable = False  # readers on other threads hold it (``targets``)
         self._target = target
         for t, spare in enumerate(self._spare):
             spare.clear()

@@ -124,3 +124,19 @@ def test_ranking_puts_selected_and_rescored_first() -> None:
     assert ranking(imp, np.arange(5)) is None  # all selected, none re-scored: keep placement
     r = ranking(imp, np.array([0, 2, 3]), np.array([0]))
     assert r is not None and r.tolist() == [0, 3, 2, 1, 4]
+
+
+def test_node_ranking_holds_only_the_node_share() -> None:
+    from loaderd.tiering import node_ranking
+
+    imp = np.array([0.5, 3.0, np.nan, 2.0, 1.0, 4.0], np.float32)
+    # Re-scored first, then by importance (never scored last); nothing outside the share.
+    r = node_ranking(imp, np.array([0, 2, 3, 4]), np.array([4, 5]))
+    assert r is not None and r.tolist() == [4, 3, 0, 2]
+    assert node_ranking(imp, np.array([1, 3])).tolist() == [1, 3]  # type: ignore[union-attr]
+    assert node_ranking(imp, np.arange(6)) is None  # a node reading everything keeps it
+    policy = ImportancePolicy([2, 10], 6, 1)
+    policy.place(node_ranking(imp, np.array([0, 3, 4])))
+    t = policy.targets()
+    assert t is not None and np.flatnonzero(t >= 0).tolist() == [0, 3, 4]
+    assert t.tolist()[3] == t.tolist()[4] == 0 and not t.flags.writeable
