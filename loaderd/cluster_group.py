@@ -45,7 +45,11 @@ logger = logging.getLogger(__name__)
 _PREFIX = "loaderd/"
 _GEN = _PREFIX + "gen"
 _POLL_S = 0.05
-_CONNECT_S = 5.0  # one attempt to reach the store; attempts repeat until the deadline
+# One attempt to reach the store; attempts repeat until the deadline. Short, so that a stopping
+# daemon's thread is back in Python (and joinable) soon: one left inside the C++ connect when
+# the process exits aborts it.
+_CONNECT_S = 1.0
+_STORE_OP_S = 5.0  # the store's own operations, once connected
 _FORM_S = 30.0  # building the gloo mesh once every node has registered
 
 
@@ -189,6 +193,7 @@ class Rendezvous:
                     datetime.timedelta(seconds=min(_CONNECT_S, max(left, 0.1))),
                     wait_for_workers=False,
                 )
+                self._store.set_timeout(datetime.timedelta(seconds=_STORE_OP_S))
             except (RuntimeError, OSError) as e:
                 self._last_error = short_error(e)
                 logger.debug("cluster: store at %s: %s", self.config.address, self._last_error)
