@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,60 @@ def test_a_selecting_epoch_waits_for_every_ranks_rescore_after_a_restart(tmp_pat
         assert (train.epoch, train.phase) == (WARMUP, "train")
     finally:
         again.close()
+
+
+def test_a_cursor_saved_with_another_batch_count_follows_its_plan(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = make_job(tmp_path)
+    state = job.open_pass(0, 0, "train")
+    job.assign(0, state, 0)
+    job.ack(state, [0])
+    want = state.plan
+    job.close()
+    saved = json.loads((tmp_path / "job.json").read_text())
+    saved["ranks"][0]["batches"] += 3  # not what the plan says: the plan wins, as it must
+    (tmp_path / "job.json").write_text(json.dumps(saved))
+
+    again = make_job(tmp_path)
+    try:
+        assert again.passes[0] is not None and again.passes[0].num_batches == want.num_batches + 3
+        used = again.get_pass(0, 0, "train")
+        assert used is not None and used.num_batches == want.num_batches
+        assert used.acked == {0} and list(used.queue) == list(range(1, want.num_batches))
+        assert again.passes[0] is used
+        assert "saved with" in caplog.text
+    finally:
+        again.close()
+
+
+def test_with_a_source_the_selection_is_its_decision_never_a_local_one(tmp_path: Path) -> None:
+    decided = {(WARMUP, "train"): (np.arange(0, N, 2, dtype=np.int64), np.ones(N // 2, np.float32))}
+    asked: list[tuple[int, int, str]] = []
+
+    def inputs(job: Job, rank: int, epoch: int, phase: str) -> tuple[np.ndarray, np.ndarray]:
+        asked.append((rank, epoch, phase))
+        if (epoch, phase) not in decided:
+            raise NotReady(f"epoch {epoch}'s {phase} pass waits for the cluster")
+        return decided[(epoch, phase)]
+
+    job = Job(
+        SPEC,
+        N,
+        ImportanceConfig(warmup_epochs=WARMUP),
+        tmp_path,
+        inputs,
+        engine_type=CountingEngine,
+    )
+    try:
+        with pytest.raises(NotReady, match="waits for the cluster"):
+            job.open_pass(1, 0, "train")  # epoch 0: not decided
+        job.passes[0] = PassState.restore(WARMUP - 1, "train", 0)  # as if rank 0 got there
+        job.passes[1] = PassState.restore(WARMUP - 1, "train", 0)
+        state = job.open_pass(1, 0, "train")
+        assert (state.epoch, len(state.plan.ids)) == (WARMUP, N // 4)
+        np.testing.assert_array_equal(job.selection(WARMUP)[0], decided[(WARMUP, "train")][0])
+        assert asked == [(1, 0, "train"), (1, WARMUP, "train")]  # the selection was planned
+        assert engine(job).calls == [] and job.kept_selections() == []
+    finally:
+        job.close()
