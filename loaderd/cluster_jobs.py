@@ -38,7 +38,8 @@ from loaderd.cluster_view import (
 )
 from loaderd.cluster_wire import JobStatus, RankStatus, Round
 from loaderd.config import ClusterConfig
-from loaderd.jobs import Job, JobError, JobSpec, NotReady, pass_inputs
+from loaderd.epoch_plan import pass_inputs
+from loaderd.jobs import Job, JobError, JobSpec, NotReady
 from loaderd.journal import write_atomic
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from loaderd import crashpoints
 
 logger = logging.getLogger(__name__)
 
-Cursor = dict[str, Any]  # {"epoch", "phase", "acked": set[int], "inflight": dict[int, int]}
+Cursor = dict[str, Any]  # {"epoch", "phase", "batches", "acked": set, "inflight": dict}
 
 
 class CursorLog:

@@ -5,6 +5,10 @@ A pass is the deterministic plan of that (epoch, phase) for the rank plus the cu
 it: batches not yet handed out, batches in flight to a consumer (a DataLoader worker), and
 batches the consumer acknowledged. A pass is complete when every batch is acknowledged; only
 then does the rank's next pass begin, so a restarted consumer resumes the pass it left.
+
+What a pass holds is the epoch planner's (``loaderd.epoch_plan``): its barriers, the kept
+selections, the plan cache and the source of a pass's samples. A job restored from its saved
+state plans nothing: a restored cursor gets its plan when its pass is next opened or asked for.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from loaderd import crashpoints
 from loaderd.client.errors import ErrorCode
 from loaderd.client.protocol import Phase
 from loaderd.cursor_log import Cursor, CursorLog
+from loaderd.epoch_plan import EpochPlanner, Inputs, SelectionGone
+from loaderd.epoch_plan import NotReady as NotReady  # the callers' name for it, as before
 from loaderd.importance import ImportanceConfig, ImportanceEngine
 from loaderd.journal import FeedbackJournal, read_json, write_atomic, write_json_atomic
-from loaderd.planner import RankPlan, num_batches, plan_pass
+from loaderd.planner import RankPlan
 from loaderd.stats_cache import EngineStats
 from loaderd.storage.safe_files import mkdir_durable
 
@@ -51,30 +57,10 @@ class Resume:
     rewind: bool = False  # the daemon's cursor goes back to exactly ``delivered``
 
 
-class NotReady(Exception):  # a state, not a failure: the caller retries later
-    """The pass cannot start yet (other ranks are still re-scoring its epoch)."""
-
-
-def pass_inputs(
-    engine: ImportanceEngine, seed: int, epoch: int, phase: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """What a pass is planned over: the epoch's selection, or its samples to re-score.
-
-    The one place a pass's samples come from, for a daemon alone (``Job``) and for a cluster
-    (``loaderd.cluster_jobs``, which calls it at the same point of the history on every node).
-    """
-    if phase == "train":
-        return engine.select(epoch, seed)
-    ids = engine.rescore_ids(epoch).astype(np.int64)
-    return ids, np.ones(len(ids), np.float32)
-
-
 class PassInputs(Protocol):
     """Where a job's passes come from when another part decides them (a cluster of daemons)."""
 
-    def __call__(
-        self, job: Job, rank: int, epoch: int, phase: str
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, job: Job, rank: int, epoch: int, phase: str) -> Inputs:
         """The pass's (ids, weights); raises NotReady until it is decided."""
         ...
 
@@ -106,17 +92,22 @@ class JobSpec:
 
 @dataclass(slots=True)
 class PassState:
-    """One rank's cursor through one pass."""
+    """One rank's cursor through one pass.
+
+    A cursor restored from saved state knows its batch count, not yet its plan: the job plans
+    it (``Job.get_pass``, ``Job.open_pass``) when the pass is next used.
+    """
 
     epoch: int
     phase: str
-    plan: RankPlan
+    num_batches: int
     queue: deque[int] = field(default_factory=deque)
     inflight: dict[int, int] = field(default_factory=dict)  # batch index -> worker
     acked: set[int] = field(default_factory=set)
     # A consumer said the pass is over for it after its feedback was recorded: a batch is
     # acknowledged before the trainer sends its losses, so "complete" alone may come early.
     ended: bool = False
+    planned: RankPlan | None = None  # None: restored, not planned yet
 
     @classmethod
     def start(
@@ -128,15 +119,39 @@ class PassState:
         inflight: dict[int, int] | None = None,
     ) -> PassState:
         """A pass with every batch not in ``acked`` or ``inflight`` waiting to be handed out."""
+        state = cls.restore(epoch, phase, plan.num_batches, acked, inflight)
+        state.planned = plan
+        return state
+
+    @classmethod
+    def restore(
+        cls,
+        epoch: int,
+        phase: str,
+        num_batches: int,
+        acked: set[int] | None = None,
+        inflight: dict[int, int] | None = None,
+    ) -> PassState:
+        """A saved cursor of ``num_batches`` batches, its plan not made yet (``start``'s rules)."""
         acked = acked or set()
         inflight = {i: w for i, w in (inflight or {}).items() if i not in acked}
-        queue = deque(i for i in range(plan.num_batches) if i not in acked and i not in inflight)
-        return cls(epoch, phase, plan, queue, inflight, set(acked))
+        queue = deque(i for i in range(num_batches) if i not in acked and i not in inflight)
+        return cls(epoch, phase, num_batches, queue, inflight, set(acked))
+
+    @property
+    def plan(self) -> RankPlan:
+        """The rank's batches of this pass (planned: the job plans a restored pass when used)."""
+        if self.planned is None:
+            raise RuntimeError(
+                f"{self.phase} pass of epoch {self.epoch} is not planned yet: "
+                "Job.get_pass or Job.open_pass plans it"
+            )
+        return self.planned
 
     @property
     def complete(self) -> bool:
         """Whether every batch was acknowledged."""
-        return len(self.acked) == self.plan.num_batches
+        return len(self.acked) == self.num_batches
 
     def assign(self, worker: int) -> int | None:
         """Hand the next batch to ``worker``; None when nothing is left to hand out."""
@@ -158,7 +173,7 @@ class PassState:
             if self.inflight.pop(i, None) is not None:
                 self.acked.add(i)
                 new += 1
-            elif i < self.plan.num_batches and i not in self.acked:
+            elif i < self.num_batches and i not in self.acked:
                 unqueue.add(i)
         if unqueue:
             unqueue &= set(self.queue)
@@ -177,7 +192,9 @@ class PassState:
 
 
 class Job:
-    """One training job: its spec, per-rank passes, importance engine and durable state.
+    """One training job: its spec, per-rank cursors, importance engine and durable state.
+
+    What each pass holds is asked of ``self.planner`` (``loaderd.epoch_plan.EpochPlanner``).
 
     Args:
         spec: the job's identity.
@@ -190,6 +207,7 @@ class Job:
             store is refused (JOB_CONFLICT), never silently continued.
         keep_selections: the newest epochs whose selections are kept (on disk and in
             memory): a checkpoint that old replays its epoch exactly, an older one is refused.
+        engine_type: the importance engine's class.
     """
 
     def __init__(
@@ -201,6 +219,7 @@ class Job:
         inputs: PassInputs | None = None,
         store: str = "",
         keep_selections: int = 4,
+        engine_type: type[ImportanceEngine] = ImportanceEngine,
     ) -> None:
         if keep_selections < 1:
             raise ValueError(f"`keep_selections` must be >= 1, got {keep_selections}")
@@ -215,15 +234,25 @@ class Job:
         except ValueError as e:
             raise JobError(f"job {spec.name!r}: {e}") from e
         self.config = config
-        self.engine = ImportanceEngine(num_samples, config)
+        self.engine = engine_type(num_samples, config)
         self.engine_stats = EngineStats(self.engine)  # STATS in a loop must not scan each time
         self.passes: list[PassState | None] = [None] * spec.world_size
         self.served_epoch = np.full(num_samples, -1, np.int32)
         self.batches_served = 0
         self.samples_served = 0
         self.duplicate_acks = 0
-        self._plans: dict[tuple[int, str], list[RankPlan]] = {}
-        self._selections: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.planner = EpochPlanner(
+            spec.name,
+            self.engine,
+            seed=spec.seed,
+            world_size=spec.world_size,
+            batch_size=spec.batch_size,
+            drop_last=spec.drop_last,
+            state_dir=state_dir,
+            source=None if inputs is None else self._decided,
+            keep_selections=keep_selections,
+            on_selection=self.save_engine,
+        )
         self.dir = state_dir
         self.journal: FeedbackJournal | None = None
         self.cursor_log: CursorLog | None = None
@@ -277,12 +306,11 @@ class Job:
         cur = self.passes[rank]
         if cur is not None and cur.complete:
             cur.ended = True  # the consumer moved on: its feedback came before this request
-        delivered: list[int] = []
         if resume is not None and resume.rewind:
             if phase == "train":
                 self._check_replayable(resume.epoch)
-                self._check_rescored(resume.epoch)
-            plan = self._plan(resume.epoch, phase, rank)[rank]
+                self.planner.check_rescored(self.passes, resume.epoch)
+            plan = self.planner.plan(rank, resume.epoch, phase)
             state = PassState.start(resume.epoch, phase, plan, set(resume.delivered))
             self.passes[rank] = state
             self._dirty = self._new_pass = True
@@ -295,25 +323,20 @@ class Job:
                 len(state.acked),
             )
             return state
-        if resume is not None:
-            resume_epoch, delivered = resume.epoch, resume.delivered
-            if cur is not None and (cur.epoch, cur.phase) == (resume_epoch, phase):
-                epoch = resume_epoch
-            else:
-                epoch = self._next_epoch(cur, phase)
-                if epoch != resume_epoch:
-                    delivered = []  # another pass by now: the indices are not of it
-        else:
-            epoch = self._next_epoch(cur, phase)
+        epoch, delivered = self._target(cur, phase, resume)
+        if cur is not None and (cur.epoch, cur.phase) == (epoch, phase):
+            cur = self._planned(rank)  # a restored cursor is planned when it is used
+            if cur is None:  # its plan cannot be made again: as if nothing was restored
+                epoch, delivered = self._target(cur, phase, resume)
         if cur is not None and (cur.epoch, cur.phase) == (epoch, phase):
             if delivered:  # a consumer back after a restart: what it already had is done
                 self.ack(cur, delivered)
             self._requeue(rank, cur, worker)  # this worker starts over: what it held, unacked
             return cur
-        self._check_left(epoch - 1, phase)
+        self.planner.check_left(self.passes, epoch - 1, phase)
         if phase == "train":
-            self._check_rescored(epoch)
-        plan = self._plan(epoch, phase, rank)[rank]
+            self.planner.check_rescored(self.passes, epoch)
+        plan = self.planner.plan(rank, epoch, phase)
         state = PassState.start(epoch, phase, plan)
         self.passes[rank] = state
         self._dirty = self._new_pass = True
@@ -330,6 +353,55 @@ class Job:
         )
         return state
 
+    def _target(
+        self, cur: PassState | None, phase: str, resume: Resume | None
+    ) -> tuple[int, list[int]]:
+        """The epoch of the pass to open, and which of its batches the consumer already had."""
+        if resume is None:
+            return self._next_epoch(cur, phase), []
+        if cur is not None and (cur.epoch, cur.phase) == (resume.epoch, phase):
+            return resume.epoch, resume.delivered
+        epoch = self._next_epoch(cur, phase)
+        # another pass by now: the indices are not of it
+        return epoch, resume.delivered if epoch == resume.epoch else []
+
+    def _planned(self, rank: int) -> PassState | None:
+        """The rank's pass with its plan; a restored cursor is planned now.
+
+        None when the plan cannot be made again (a cluster's decision that is gone): the rank
+        forgets the cursor and opens its pass again.
+        """
+        cur = self.passes[rank]
+        if cur is None or cur.planned is not None:
+            return cur
+        try:
+            plan = self.planner.plan(rank, cur.epoch, cur.phase)
+        except NotReady:
+            logger.warning("job %s rank %d: pass not decided", self.spec.name, rank)
+            self.passes[rank] = None
+            return None
+        if plan.num_batches == cur.num_batches:
+            cur.planned = plan
+            return cur
+        logger.warning(
+            "job %s rank %d: %s pass of epoch %d was saved with %d batches, planned with %d",
+            self.spec.name,
+            rank,
+            cur.phase,
+            cur.epoch,
+            cur.num_batches,
+            plan.num_batches,
+        )
+        state = PassState.start(cur.epoch, cur.phase, plan, cur.acked, cur.inflight)
+        state.ended = cur.ended and state.complete
+        self.passes[rank] = state
+        return state
+
+    def _decided(self, rank: int, epoch: int, phase: str) -> Inputs:
+        """The planner's source when another part decides the passes (``inputs``)."""
+        assert self.inputs is not None
+        return self.inputs(self, rank, epoch, phase)
+
     @staticmethod
     def _next_epoch(cur: PassState | None, phase: str) -> int:
         if cur is None:
@@ -342,97 +414,20 @@ class Job:
             raise JobError(f"epoch {cur.epoch} is not finished: cannot re-score the next one yet")
         return cur.epoch + 1
 
-    def _check_left(self, epoch: int, phase: str) -> None:
-        """Plan the next epoch's ``phase`` from losses only once every rank has left ``epoch``.
-
-        A rank's last losses of an epoch may still be on their way when it acknowledged its
-        last batch; it has left the epoch once it asks for a later pass (its feedback came
-        first). Planned earlier, a re-score pass's classification or an epoch's selection
-        would depend on whose feedback happened to arrive first.
-        """
-        nxt = epoch + 1
-        if self.inputs is not None or epoch < 0 or (nxt, phase) in self._plans:
-            return  # a cluster's barrier (``loaderd.cluster_view``) decides, or it is planned
-        if phase == "train" and self._has_selection(nxt):
-            return
-        if not self.engine.plans_from_losses(nxt, phase):
-            return
-        waiting = [r for r, p in enumerate(self.passes) if not _left(p, epoch)]
-        if waiting:
-            shown = ", ".join(map(str, waiting[:16])) + (", ..." if len(waiting) > 16 else "")
-            raise NotReady(
-                f"job {self.spec.name!r} epoch {nxt}'s {phase} pass is planned from every "
-                f"rank's losses of epoch {epoch}: waiting for rank(s) {shown} to finish it"
-            )
-
     def _check_replayable(self, epoch: int) -> None:
-        """Refuse a rewind to an epoch whose selection is gone: it would train other samples.
-
-        A selection is a function of the statistics at the time it was made; made again
-        today it would pick other samples, so the checkpoint's epoch could not be replayed.
-        Epochs that train every sample need nothing kept.
+        """Refuse a rewind to an epoch whose selection is gone (``EpochPlanner.check_replayable``).
 
         Raises:
             JobError: the epoch was selected and its selection is no longer kept.
         """
-        if self.inputs is not None or epoch >= self.epoch or self._has_selection(epoch):
-            return
-        if self.engine.selects_all(epoch):
-            return
-        kept = self.kept_selections()
-        oldest = f"the oldest kept is epoch {kept[0]}" if kept else "none is kept"
-        raise JobError(
-            f"job {self.spec.name!r}: cannot replay epoch {epoch} of a checkpoint, its "
-            f"selection is no longer kept ({oldest}; the daemon keeps the newest "
-            f"{self.keep_selections}, --keep-selections): restore a newer checkpoint"
-        )
-
-    def _has_selection(self, epoch: int) -> bool:
-        if epoch in self._selections:
-            return True
-        return self.dir is not None and (self.dir / f"selection-{epoch}.npz").exists()
+        try:
+            self.planner.check_replayable(epoch, self.epoch)
+        except SelectionGone as e:
+            raise JobError(str(e)) from None
 
     def kept_selections(self) -> list[int]:
         """The epochs whose selections are kept, oldest first."""
-        epochs = set(self._selections)
-        if self.dir is not None:
-            for path in self.dir.glob("selection-*.npz"):
-                try:
-                    epochs.add(int(path.stem.split("-")[1]))
-                except (IndexError, ValueError):
-                    continue
-        return sorted(epochs)
-
-    def _check_rescored(self, epoch: int) -> None:
-        """Plan a selecting epoch only after every rank has re-scored it, if any rank does.
-
-        Waiting for all ranks, not only for those already re-scoring, keeps the plan a function
-        of (seed, epoch, statistics): otherwise the first rank to finish its share would rank
-        the samples before a slower rank's re-scores arrived, and the plan would depend on timing.
-        """
-        if self.inputs is not None:
-            return  # the cluster's barrier (``loaderd.cluster_view``) decides
-        if epoch in self._selections or not len(self.engine.rescore_ids(epoch)):
-            return
-        if self.dir is not None and (self.dir / f"selection-{epoch}.npz").exists():
-            return  # planned before a restart
-        at_epoch = [p for p in self.passes if p is not None and p.epoch == epoch]
-        if not any(p.phase == "rescore" for p in at_epoch):
-            return  # nobody re-scores this epoch: the latest losses stand
-        done = {
-            r
-            for r, p in enumerate(self.passes)
-            if p is not None
-            and p.epoch == epoch
-            and (p.phase == "train" or (p.complete and p.ended))
-        }
-        if len(done) < self.spec.world_size:
-            waiting = [r for r in range(self.spec.world_size) if r not in done]
-            shown = ", ".join(map(str, waiting[:16])) + (", ..." if len(waiting) > 16 else "")
-            raise NotReady(
-                f"job {self.spec.name!r} epoch {epoch} is planned from every rank's re-scores: "
-                f"waiting for rank(s) {shown} to finish re-scoring it"
-            )
+        return self.planner.kept_selections()
 
     def get_pass(self, rank: int, epoch: int, phase: str) -> PassState | None:
         """The rank's current pass if it is (epoch, phase); None for a stale request.
@@ -443,6 +438,8 @@ class Job:
         """
         self.check_rank(rank)
         cur = self.passes[rank]
+        if cur is not None and (cur.epoch, cur.phase) == (epoch, phase):
+            cur = self._planned(rank)  # a restored cursor is planned when it is used
         if cur is None or _order(epoch, phase) > _order(cur.epoch, cur.phase):
             raise JobError(
                 f"rank {rank} of job {self.spec.name!r} has no {phase} pass of epoch {epoch}: "
@@ -495,30 +492,6 @@ class Job:
                 self.cursor_log.ack(rank, state.epoch, state.phase, done)
             crashpoints.hit("ack")
 
-    def _plan(self, epoch: int, phase: str, rank: int) -> list[RankPlan]:
-        key = (epoch, phase)
-        plans = self._plans.get(key)
-        if plans is None:
-            if self.inputs is not None:
-                ids, weights = self.inputs(self, rank, epoch, phase)
-            elif phase == "train":
-                ids, weights = self.selection(epoch)
-            else:
-                ids, weights = pass_inputs(self.engine, self.spec.seed, epoch, phase)
-            plans = plan_pass(
-                ids,
-                weights,
-                seed=self.spec.seed,
-                epoch=epoch,
-                phase=phase,
-                world_size=self.spec.world_size,
-                batch_size=self.spec.batch_size,
-                drop_last=self.spec.drop_last,
-            )
-            self._plans = {k: v for k, v in self._plans.items() if k[0] >= epoch - 1}
-            self._plans[key] = plans
-        return plans
-
     def coming_batches(self, rank: int) -> tuple[int, int | None]:
         """(epoch, batches) of the rank's coming training pass, without planning it.
 
@@ -529,48 +502,13 @@ class Job:
         self.check_rank(rank)
         cur = self.passes[rank]
         if cur is not None and cur.phase == "train" and not cur.complete:
-            return cur.epoch, cur.plan.num_batches - len(cur.acked)
+            return cur.epoch, cur.num_batches - len(cur.acked)
         epoch = self._next_epoch(cur, "train")
-        size: int | None = None
-        if (epoch, "train") in self._plans:
-            return epoch, self._plans[(epoch, "train")][rank].num_batches
-        if epoch in self._selections:
-            size = len(self._selections[epoch][0])
-        elif self.dir is not None and (self.dir / f"selection-{epoch}.npz").exists():
-            size = len(self.selection(epoch)[0])
-        elif self.engine.selects_all(epoch):
-            size = self.num_samples
-        if size is None:
-            return epoch, None
-        spec = self.spec
-        return epoch, num_batches(size, spec.world_size, spec.batch_size, spec.drop_last)
+        return epoch, self.planner.train_batches(rank, epoch)
 
-    def selection(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def selection(self, epoch: int) -> Inputs:
         """The epoch's selected samples: computed once, then persisted, so all ranks agree."""
-        sel = self._selections.get(epoch)
-        if sel is None:
-            path = self.dir / f"selection-{epoch}.npz" if self.dir else None
-            if path is not None and path.exists():
-                with np.load(path) as z:
-                    sel = (z["ids"], z["weights"])
-            else:
-                sel = pass_inputs(self.engine, self.spec.seed, epoch, "train")
-                if path is not None:
-                    self._save_arrays(path, {"ids": sel[0], "weights": sel[1]})
-                    self.save_engine()
-            self._selections[epoch] = sel
-            self._forget_old_selections()
-        return sel
-
-    def _forget_old_selections(self) -> None:
-        """Keep the newest ``keep_selections`` epochs' selections, in memory and on disk."""
-        kept = self.kept_selections()
-        if len(kept) <= self.keep_selections:
-            return
-        for epoch in kept[: len(kept) - self.keep_selections]:
-            self._selections.pop(epoch, None)
-            if self.dir is not None:
-                (self.dir / f"selection-{epoch}.npz").unlink(missing_ok=True)
+        return self.planner.selection(epoch)
 
     # --- feedback -----------------------------------------------------------------------------
 
@@ -639,7 +577,7 @@ class Job:
                 else {
                     "epoch": p.epoch,
                     "phase": p.phase,
-                    "batches": p.plan.num_batches,
+                    "batches": p.num_batches,
                     "acked": len(p.acked),
                     "inflight": len(p.inflight),
                 }
@@ -688,7 +626,7 @@ class Job:
                     else {
                         "epoch": p.epoch,
                         "phase": p.phase,
-                        "batches": p.plan.num_batches,
+                        "batches": p.num_batches,
                         "acked": sorted(p.acked),
                         "inflight": [[i, w] for i, w in sorted(p.inflight.items())],
                     }
@@ -755,13 +693,10 @@ class Job:
         cursors = load_cursors(self.dir, saved, self.spec.world_size)
         self._generation = int(saved.get("cursor_generation", 0))
         for rank, c in enumerate(cursors):
-            if c is not None:
-                try:
-                    plan = self._plan(c["epoch"], c["phase"], rank)[rank]
-                except NotReady:  # its decision was lost: the rank opens the pass again
-                    logger.warning("job %s rank %d: pass not decided", self.spec.name, rank)
-                    continue
-                state = PassState.start(c["epoch"], c["phase"], plan, c["acked"], c["inflight"])
+            if c is not None:  # planned when its pass is next used (``_planned``), not here
+                state = PassState.restore(
+                    c["epoch"], c["phase"], c["batches"], c["acked"], c["inflight"]
+                )
                 state.ended = state.complete  # its consumers may be waiting for the next pass
                 self.passes[rank] = state
         logger.info(
@@ -780,6 +715,7 @@ class Job:
         self.journal = None
         self.cursor_log = None
         self.dir = None  # whatever still holds this object can no longer write the state
+        self.planner.detach()
 
     def close(self) -> None:
         """Persist everything and close the journal (safe to call twice)."""
@@ -804,6 +740,7 @@ def load_cursors(state_dir: Path, saved: dict[str, Any], world_size: int) -> lis
         else {
             "epoch": int(r["epoch"]),
             "phase": r["phase"],
+            "batches": int(r["batches"]),
             "acked": {int(i) for i in r["acked"]},
             "inflight": {int(i): int(w) for i, w in r.get("inflight", [])},
         }
