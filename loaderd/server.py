@@ -266,7 +266,9 @@ class Server:
                     worker,
                 )
         self.connections.poll()
-        self.shm.check_dead()
+        going = self.shm.check_dead()  # jobs whose ring goes: their slots must come back
+        if going:
+            self.prefetcher.drop(lambda k: k[0] in going and k not in self._waiting)
         self.outstanding.prune(self._still_out)
         durability_failure(job.save for job in self.jobs.values())
 
