@@ -263,9 +263,15 @@ def write(rows: list[dict[str, Any]], state_jobs: list[str]) -> None:
         "ZeroMQ before it can be refused); it is freed once refused, never decoded into "
         "arrays. The GET_BATCH flooder never reads: the daemon keeps at most "
         "`max_outstanding_batches` (256) batches for it and refuses the rest at O(1) each, so "
-        "RSS stays flat; the trainer's drop there is the daemon's loop answering tens of "
-        "thousands of refused requests on the same 2 cores (no per-connection share of the "
-        "loop yet). The STATS flooder asks with `--plot` detail each time; the per-sample "
+        "RSS stays flat. The two flooders (`getbatch`, `cheap`) send as fast as their socket "
+        "takes messages: the loop reads at most 32 messages a turn and takes at most 16 of a "
+        "connection's (`loaderd.fair_share`), a connection's backlog stays at its bound "
+        "(`max_backlog_per_client`, 512; the last column) and what is past it is refused; the "
+        "rest waits in ZeroMQ's queue, which pushes back on the flooder's sends. The trainer "
+        "keeps its turn and its batches are assembled in turn with the flooder's; what it "
+        "loses there is mostly CPU (the flooder's own loop, the refusals) on the same 2 cores. "
+        "Compare each row with the two `none` rows (the trainer alone, first and last). "
+        "The STATS flooder asks with `--plot` detail each time; the per-sample "
         "figures are recomputed at most once a second.",
         "",
     ]

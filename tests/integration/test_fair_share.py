@@ -21,7 +21,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.protocol import PROTOCOL_VERSION, Message, MsgType, decode, encode
 from loaderd.config import LimitsConfig
 from tests.conftest import N_SAMPLES
-from tests.helpers import Daemon
+from tests.helpers import Daemon, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -124,6 +124,12 @@ def test_a_flooding_connection_is_refused_past_its_backlog_while_a_trainer_reads
             finally:
                 os.kill(daemon.proc.pid, signal.SIGCONT)
             flooding.start()  # and the flood goes on for the trainer's whole epoch
+            # A STATS of a third connection is answered amid the flood; the backlog fills.
+            wait_until(
+                lambda: fair_share_stats(daemon.address)["refused"] > 0,
+                timeout_s=120,
+                what="the flooder's backlog to fill",
+            )
             got: list[int] = []
             while pending:
                 reply = trainer.wait(pending.pop(0))
