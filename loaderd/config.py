@@ -242,6 +242,10 @@ class LimitsConfig:
     # one per worker in the client library.
     max_parked_opens_per_client: int = 16
     max_parked_opens: int = 4096
+    # Requests of one connection read from the socket and not yet handled (loaderd.fair_share):
+    # the server loop takes a few of each connection per turn; past this backlog a request is
+    # refused. The client library keeps a few in flight per connection.
+    max_backlog_per_client: int = 512
 
     def __post_init__(self) -> None:
         for name in (
@@ -253,6 +257,7 @@ class LimitsConfig:
             "max_outstanding_batches",
             "max_parked_opens_per_client",
             "max_parked_opens",
+            "max_backlog_per_client",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

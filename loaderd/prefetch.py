@@ -10,7 +10,9 @@ one, or when it has none that fits, the frames are fresh memory. The record layo
 
 ``Prefetcher`` runs assemblies on a small thread pool (LMDB reads, checksums and copies
 release the GIL for the bytes they touch) and announces finished ones through a pipe that the
-server loop polls next to its socket.
+server loop polls next to its socket. Batches wait for a worker in one queue per stream (a
+job's rank, the key's first two parts), served in turn: a client that asks for many batches
+delays another job's next batch by one assembly, not by all of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from loaderd.client.protocol import BatchArrays, Column, VarColumn
 from loaderd.client.shm import slot_layout
+from loaderd.fair_share import RoundRobin
 from loaderd.gate import Gate
 from loaderd.storage.records import RecordCodec, Schema
 from loaderd.storage.tiers import Record, TierStack
@@ -54,6 +57,16 @@ class Placed:
 
 
 Allocate = Callable[[Sequence[int]], "Placed | None"]
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A batch waiting for a worker."""
+
+    future: Future[Batch]
+    ids: np.ndarray
+    weights: np.ndarray
+    allocate: Allocate | None
 
 
 @dataclass(slots=True)
@@ -215,6 +228,7 @@ class Prefetcher:
         self._on_discard = on_discard
         self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="loaderd-prefetch")
         self._futures: dict[Key, Future[Batch]] = {}
+        self._queue: RoundRobin[Key, _Queued] = RoundRobin()  # waiting for a worker, per stream
         self._done: list[Key] = []
         self._lock = threading.Lock()
         self.wake_fd, self._wake_w = os.pipe()
@@ -226,14 +240,36 @@ class Prefetcher:
         fut = self._futures.get(key)
         if fut is None:
             allocate = self._allocator_for(key) if self._allocator_for is not None else None
-            fut = self._pool.submit(self._assemble, ids, weights, allocate)
+            fut = Future()
             self._futures[key] = fut
             fut.add_done_callback(partial(self._announce, key))
+            with self._lock:
+                self._queue.push(key[:2], _Queued(fut, ids, weights, allocate))
+            self._pool.submit(self._assemble_next)  # one task per batch: it takes the next one
         return fut
 
-    def _assemble(self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None) -> Batch:
+    def _assemble_next(self) -> None:
+        """Assemble the next batch in turn.
+
+        It is chosen once through the gate, so that a batch another stream queued meanwhile
+        goes before this stream's next one.
+        """
         with self.gate:
-            return self._assembler.assemble(ids, weights, allocate)
+            while True:
+                with self._lock:
+                    got = self._queue.pop()
+                if got is None:
+                    return  # its batch was dropped and another task took the rest
+                item = got[1]
+                if not item.future.set_running_or_notify_cancel():
+                    continue  # dropped while it waited
+                try:
+                    batch = self._assembler.assemble(item.ids, item.weights, item.allocate)
+                except BaseException as e:
+                    item.future.set_exception(e)
+                else:
+                    item.future.set_result(batch)
+                return
 
     @property
     def workers(self) -> int:
@@ -299,6 +335,10 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the workers (queued assemblies are cancelled); safe to call twice."""
         self.gate.set_limit(self.max_workers)  # no started assembly waits behind a low limit
+        with self._lock:
+            queued = self._queue.drain()
+        for item in queued:
+            item.future.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for fd in (self.wake_fd, self._wake_w):
             with contextlib.suppress(OSError):

@@ -41,6 +41,7 @@ from loaderd.client.protocol import (
 from loaderd.config import DaemonConfig
 from loaderd.connections import ConnectionWatch
 from loaderd.consumers import Consumers
+from loaderd.fair_share import Inbox
 from loaderd.importance_plot import histograms
 from loaderd.job_admin import remove_job_dir, sweep
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
@@ -145,6 +146,8 @@ class Server:
         self.parked = ParkedOpens(limits.max_parked_opens_per_client, limits.max_parked_opens)
         self._waiting_noted: dict[tuple[bytes, int], float] = {}  # parked open -> last WAITING
         self.outstanding = Outstanding(config.limits.max_outstanding_batches)
+        # Each connection's requests wait in its own queue; the loop takes a few of each per turn.
+        self.inbox = Inbox(limits.max_backlog_per_client, limits.max_request_bytes)
         self._still_out = still_out_in(self.jobs)
         # Replies that promise something durable wait for the loop turn's commit.
         self.outbox = Outbox(self._send, self._deliver)
@@ -200,13 +203,11 @@ class Server:
         next_tick = time.monotonic() + _TICK_S
         try:
             while not stop.is_set():
-                events = dict(poller.poll(timeout=int(_TICK_S * 1000)))
-                if self.sock in events:
-                    for _ in range(256):  # bounded, so completions are never starved
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                timeout = 0 if self.inbox else int(_TICK_S * 1000)  # requests still wait
+                events = dict(poller.poll(timeout=timeout))
+                if self.sock in events or self.inbox:
+                    self.inbox.receive(self.sock, self._send)  # past a backlog: refused
+                    for frames in self.inbox.turn():  # bounded, so completions are never starved
                         self._dispatch(frames)
                     self._commit()
                 if self.prefetcher.wake_fd in events:
@@ -265,7 +266,9 @@ class Server:
                     worker,
                 )
         self.connections.poll()
-        self.shm.check_dead()
+        going = self.shm.check_dead()  # jobs whose ring goes: their slots must come back
+        if going:
+            self.prefetcher.drop(lambda k: k[0] in going and k not in self._waiting)
         self.outstanding.prune(self._still_out)
         durability_failure(job.save for job in self.jobs.values())
 
@@ -707,6 +710,7 @@ class Server:
         out["readahead"] = self.readahead.stats()
         out["placement"] = self.placement.stats()
         out["snapshots"] = self.snapshots.stats()
+        out["fair_share"] = self.inbox.stats()
         out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
         out["state_disk"] = STATE_DISK.stats()
         if self.cluster is not None:

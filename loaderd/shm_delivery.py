@@ -28,12 +28,22 @@ live: the trainer's tensors may still view them (at most the ring's slots stay s
 
 When every slot is lent, the batch is assembled in fresh memory and goes over the socket:
 a full ring costs a copy, never a stall or a deadlock between read-ahead and consumers.
+
+A ring is removed once no consumer has used it for ``_IDLE_S`` (no consumer of a job that
+maps to it, none holding one of its slots) and none of its slots is lent: one job with huge
+batches does not keep the cap for good, and a later job gets a ring. Its jobs lose their
+mapping first, so nothing new is assembled into it, and ``check_dead`` names them so that the
+daemon drops the batches they had assembled ahead (their slots come back). The ring is
+retired under its own lock (``LentRing.retire``), the one a prefetch worker takes to acquire a
+slot, so no worker writes into a ring that is going; a trainer that still maps it keeps its
+memory until it unmaps.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -63,6 +73,9 @@ _MAX_SHM_SHARE = 4  # rings never take more than a quarter of what is free in /d
 _MIN_SLOTS = 4  # fewer (automatic sizing) and the socket serves the job as well
 _MAX_REASONS = 256  # jobs whose reason for the socket path stats remember
 _MAX_CONSUMERS = 1 << 12  # entries kept; past it the oldest holding nothing are forgotten
+# A ring unused this long is removed: long enough for a trainer's DataLoader workers to come
+# back for the next epoch without a new ring each time.
+_IDLE_S = 5.0
 
 
 def _round_up(n: int, to: int) -> int:
@@ -124,6 +137,8 @@ class ShmDelivery:
         self.socket_fallbacks = 0  # batches for shm consumers that went over the socket
         self.ring_full = 0  # assemblies that found no free slot
         self.reclaimed = 0  # slots taken back from consumers that went away
+        self.removed = 0  # rings removed once no consumer used them
+        self._idle_since: dict[str, float] = {}  # ring name -> when it was last seen unused
         if config.enabled:
             for name in cleanup_stale():
                 logger.warning("removed stale shm ring %s of a dead daemon", name)
@@ -240,7 +255,7 @@ class ShmDelivery:
             return None  # variable-length fields made this batch larger than a slot
         slot = ring.acquire(_PREFETCH)
         if slot is None:
-            self.ring_full += 1
+            self.ring_full += not ring.retired
             return None
         desc = ring.layout(slot, sizes)
         frames = [ring.view(slot, off, n) for off, n in desc.frames]
@@ -314,13 +329,17 @@ class ShmDelivery:
         logger.info("took back %d shm slots from a consumer of job %s", n, consumer.job)
         return n
 
-    def check_dead(self) -> None:
-        """Forget the consumers that are gone (called every tick).
+    def check_dead(self) -> set[str]:
+        """Forget the consumers that are gone, and the rings none uses (called every tick).
 
         A consumer whose process exited loses its slots. One whose connection closed while
         its process may live (or cannot be checked) keeps the slots it holds, since its
         tensors may still view them, and is forgotten once it holds none; one that holds
         nothing is forgotten at once.
+
+        Returns:
+            The jobs whose ring is going: drop the batches they assembled ahead of demand
+            (and nobody waits for), so that its slots come back.
         """
         for identity, consumer in list(self._consumers.items()):
             dead = self._liveness.alive(identity) is False
@@ -330,6 +349,28 @@ class ShmDelivery:
                 self.reclaim(identity)
                 del self._consumers[identity]
                 self._liveness.forget(identity)
+        return self._remove_idle_rings(time.monotonic())
+
+    def _remove_idle_rings(self, now: float) -> set[str]:
+        """Unmap the jobs of rings unused for ``_IDLE_S`` and remove those with no slot lent."""
+        used = {id(self._job_ring.get(c.job)) for c in self._consumers.values()}
+        used |= {id(lease.ring) for c in self._consumers.values() for lease in c.held.values()}
+        idle = [r for r in self.rings if id(r) not in used]
+        self._idle_since = {r.name: self._idle_since.get(r.name, now) for r in idle}
+        going = [r for r in idle if now - self._idle_since[r.name] >= _IDLE_S]
+        jobs = {job for job, ring in self._job_ring.items() if ring in going}
+        for job in jobs:
+            del self._job_ring[job]
+        for ring in going:
+            if ring.retire():  # else slots are lent still: tried again next tick
+                self.rings.remove(ring)
+                del self._idle_since[ring.name]
+                ring.close()
+                self.removed += 1
+                logger.info(
+                    "removed shm ring %s: no consumer used it for %.0f s", ring.name, _IDLE_S
+                )
+        return jobs
 
     # --- the rest -----------------------------------------------------------------------------
 
@@ -353,6 +394,7 @@ class ShmDelivery:
             "socket_fallbacks": self.socket_fallbacks,
             "ring_full": self.ring_full,
             "reclaimed": self.reclaimed,
+            "rings_removed": self.removed,
             "max_bytes": self.config.max_bytes,
             "socket_jobs": dict(self.socket_jobs),
         }

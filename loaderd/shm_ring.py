@@ -70,6 +70,7 @@ class LentRing(ShmRing):
         self._free: list[int] = list(range(slots - 1, -1, -1))
         self._lent: dict[int, Hashable] = {}
         self._generation = [0] * slots
+        self.retired = False  # lends no more slots (``retire``)
 
     @classmethod
     def create(
@@ -165,7 +166,7 @@ class LentRing(ShmRing):
             The slot index, or None when every slot is lent.
         """
         with self._lock:
-            if not self._free:
+            if not self._free or self.retired:
                 return None
             slot = self._free.pop()
             self._lent[slot] = owner
@@ -191,6 +192,22 @@ class LentRing(ShmRing):
                 raise ValueError(f"slot {slot} of ring {self.name} is not lent to {owner!r}")
             del self._lent[slot]
             self._free.append(slot)
+
+    def retire(self) -> bool:
+        """Stop lending, if no slot is lent: then the ring may be closed.
+
+        A prefetch worker acquires a slot and then writes into it; taken under the lock that
+        ``acquire`` takes, this leaves no moment where a worker holds a slot of a retired ring.
+
+        Returns:
+            True when the ring is retired (no slot is lent, and none will be); False when a
+            slot is lent and nothing changed.
+        """
+        with self._lock:
+            if self._lent:
+                return False
+            self.retired = True
+        return True
 
     def transfer(self, slot: int, owner: Hashable, *, expected: Hashable) -> bool:
         """Hand a lent slot to another owner, keeping its generation (the batch stays valid).

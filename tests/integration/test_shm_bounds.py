@@ -152,3 +152,51 @@ def test_a_huge_batch_size_cannot_take_shm_past_the_cap(
         assert set(s["socket_jobs"]) == {"huge"}
         assert len(s["rings"]) == 2
         assert _ring_files_bytes(s) <= cap, "every ring's file together stays within the cap"
+
+
+def _hello_ring(conn: Connection, job: str, batch_size: int, pid: int) -> dict[str, Any]:
+    """HELLO as a consumer of ``job`` that would take shared memory: WELCOME's ``shm``."""
+    meta = {"job": job, "rank": 0, "world_size": 1, "seed": 0, "batch_size": batch_size}
+    meta |= {"options": {}, "pid": pid, "pidns": pid_namespace(), "shm": True}
+    return dict(conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME).meta.get("shm") or {})
+
+
+def test_a_ring_no_consumer_uses_is_removed_and_a_later_job_gets_one(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    """A job with huge batches takes most of the cap; once its consumers are gone and its
+    slots are back, its ring is removed and a job refused a ring before gets one. A ring whose
+    slot a live trainer still holds stays."""
+    arrays = dataset[1]
+    with (
+        Daemon(db=dataset[0], state_dir=tmp_path / "state", extra=["--shm-bytes", "6MiB"]) as d,
+        subprocess.Popen(["sleep", "600"]) as trainer,
+    ):
+        with Connection(d.address, timeout_s=20.0) as wide:  # ~1.3 MB slots: most of the cap
+            ring = _hello_ring(wide, "wide", 6000, trainer.pid)["ring"]
+            _hold_a_batch(wide, "wide")  # held by the trainer's process when this closes
+        with Connection(d.address, timeout_s=20.0) as narrow:
+            assert not _hello_ring(narrow, "narrow", 2000, os.getpid()), "no room left"
+        assert "--shm-bytes" in shm_stats(d.address)["socket_jobs"]["narrow"]
+        with Connection(d.address, timeout_s=20.0) as small:  # small slots: room for those
+            small_ring = _hello_ring(small, "small", 16, os.getpid())["ring"]
+            req, index = _hold_a_batch(small, "small")
+            small.request(MsgType.ACK, {**req, "acks": [index]}, expect=MsgType.OK)
+        # The small ring is removed once unused; the wide one, unused as long but with a slot
+        # lent to a live process, stays (the same sweeps judged both).
+        wait_until(
+            lambda: [r["name"] for r in shm_stats(d.address)["rings"]] == [ring],
+            timeout_s=60,
+            what="the unused small ring to go",
+        )
+        assert not (SHM_DIR / small_ring).exists() and (SHM_DIR / ring).exists()
+        trainer.kill()  # its slot comes back: nothing holds the wide ring now
+        trainer.wait()
+        wait_until(lambda: not shm_stats(d.address)["rings"], timeout_s=60, what="the wide ring")
+        assert not (SHM_DIR / ring).exists()
+        assert shm_stats(d.address)["rings_removed"] == 2
+        welcome, ids = _read_all(d.address, arrays, "narrow", 2000)
+        assert welcome["ring"] and sorted(ids) == list(range(N_SAMPLES))
+        s = shm_stats(d.address)
+        assert s["delivered"] >= 3 and "narrow" not in s["socket_jobs"]
+        assert "removed shm ring" in d.log.read_text()

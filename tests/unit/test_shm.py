@@ -199,6 +199,15 @@ def test_reclaim_frees_only_that_owners_slots(ring: LentRing) -> None:
     assert ring.free_count == ring.slots - 1
 
 
+def test_a_ring_retires_only_with_no_slot_lent_and_then_lends_none(ring: LentRing) -> None:
+    slot = ring.acquire("prefetch")
+    assert slot is not None
+    assert not ring.retire() and not ring.retired, "a lent slot keeps the ring lending"
+    ring.release(slot)
+    assert ring.retire() and ring.retired
+    assert ring.acquire("prefetch") is None and ring.free_count == ring.slots
+
+
 def test_view_and_layout_bounds(ring: LentRing) -> None:
     slot = ring.acquire()
     assert slot is not None
