@@ -755,10 +755,3 @@ def load_cursors(state_dir: Path, saved: dict[str, Any], world_size: int) -> lis
 def _order(epoch: int, phase: str) -> tuple[int, int]:
     """Passes in the order a rank walks them: re-score of an epoch, then its training."""
     return epoch, 0 if phase == "rescore" else 1
-
-
-def _left(p: PassState | None, epoch: int) -> bool:
-    """Whether a rank has left ``epoch``: in a later one, or its training pass done and ended."""
-    if p is None:
-        return False
-    return p.epoch > epoch or (p.epoch == epoch and p.phase == "train" and p.complete and p.ended)
