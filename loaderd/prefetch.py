@@ -3,12 +3,10 @@
 ``Assembler`` reads a batch's records from the tier stack (views into LMDB's map for misses,
 so a record passed through is never copied on the way) and copies each field, once, into the
 batch's frames: ids, weights, then per field its rows (fixed shape) or its offsets and bytes
-(variable length), in wire order. Large records of fixed fields are each copied right after
-their checksum, while their bytes are in the CPU's cache (``row_copier``). Where the frames
-live is the caller's choice: an ``Allocate`` function lends memory (a shared-memory ring slot,
-``loaderd.shm_ring``); without one, or when it has none that fits, the frames are fresh
-memory. The record layout comes from ``storage.records.Layout``; nothing here knows a byte
-offset of its own.
+(variable length), in wire order. Where the frames live is the caller's choice: an
+``Allocate`` function lends memory (a shared-memory ring slot, ``loaderd.shm_ring``); without
+one, or when it has none that fits, the frames are fresh memory. The record layout comes from
+``storage.records.Layout``; nothing here knows a byte offset of its own.
 
 ``Prefetcher`` runs assemblies on a small thread pool (LMDB reads, checksums and copies
 release the GIL for the bytes they touch) and announces finished ones through a pipe that the
@@ -32,8 +30,8 @@ import numpy as np
 from loaderd.client.protocol import BatchArrays, Column, VarColumn
 from loaderd.client.shm import slot_layout
 from loaderd.gate import Gate
-from loaderd.storage.records import FixedSlice, RecordCodec, Schema
-from loaderd.storage.tiers import Consume, Record, TierStack
+from loaderd.storage.records import RecordCodec, Schema
+from loaderd.storage.tiers import Record, TierStack
 
 logger = logging.getLogger(__name__)
 
@@ -101,29 +99,6 @@ def gather_rows(records: Sequence[Record], outs: Sequence[tuple[memoryview, int,
             out[i * width : (i + 1) * width] = memoryview(rec)[offset:end]
 
 
-def row_copier(outs: Sequence[tuple[memoryview, int, int]], n: int) -> Consume:
-    """``gather_rows`` one record at a time: ``copy(i, record)`` fills row i of each ``out``.
-
-    For ``TierStack.read(ids, each=copy)``: each record is copied right after its checksum was
-    computed, from the CPU's cache, instead of after the whole batch was checked, from memory.
-    """
-    plan: list[tuple[Any, int, int, bool]] = []
-    for out, offset, width in outs:
-        if width >= _NUMPY_FROM:
-            plan.append((np.frombuffer(out, np.uint8).reshape(n, width), offset, width, True))
-        else:
-            plan.append((out, offset, width, False))
-
-    def copy(i: int, rec: Record) -> None:
-        for out, offset, width, big in plan:
-            if big:
-                np.copyto(out[i], np.frombuffer(rec, np.uint8, width, offset))
-            else:
-                out[i * width : (i + 1) * width] = memoryview(rec)[offset : offset + width]
-
-    return copy
-
-
 class Assembler:
     """Turns sample ids into a batch: one frame per id array, fixed field, variable part."""
 
@@ -133,12 +108,6 @@ class Assembler:
         self.codec = RecordCodec(schema)
         self.layout = schema.layout
         self._kinds = {f.name: f for f in schema.fields}
-        # Records this large, all fields fixed: each is copied right after its check (while
-        # in the CPU's cache); smaller ones are checked, then joined and sliced in C at once.
-        size = self.layout.record_bytes
-        self._copy_as_checked = size is not None and size >= _JOIN_BELOW
-        slices = {s.name: s for s in self.layout.fixed}
-        self._fixed: list[FixedSlice] = [slices[f.name] for f in schema.fields if f.name in slices]
 
     def frame_sizes(self, n: int, var_bytes: Sequence[int] = ()) -> list[int]:
         """Byte size of each frame of an n-sample batch, in wire order.
@@ -163,8 +132,6 @@ class Assembler:
     ) -> Batch:
         """Read and copy one batch, into memory from ``allocate`` when it has some."""
         n = len(ids)
-        if self._copy_as_checked:
-            return self._assemble_fixed(ids, weights, allocate)
         with self.tiers.read(ids) as records:
             parts: list[list[memoryview]] = []
             var_bytes: list[int] = []
@@ -184,24 +151,6 @@ class Assembler:
                     placed.lease.release()
                 raise
 
-    def _assemble_fixed(
-        self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
-    ) -> Batch:
-        """``assemble`` for fixed fields only: frames first, each record copied as checked."""
-        n = len(ids)
-        sizes = self.frame_sizes(n)
-        placed = allocate(sizes) if allocate is not None else None
-        if placed is None:
-            placed = fresh(sizes)
-        try:
-            rows = [(placed.frames[k], s.offset, s.nbytes) for k, s in enumerate(self._fixed, 2)]
-            with self.tiers.read(ids, each=row_copier(rows, n)) as records:
-                return self._fill(ids, weights, records, [], placed, gathered=True)
-        except BaseException:
-            if placed.lease is not None:
-                placed.lease.release()
-            raise
-
     def _fill(
         self,
         ids: np.ndarray,
@@ -209,7 +158,6 @@ class Assembler:
         records: list[Record],
         parts: list[list[memoryview]],
         placed: Placed,
-        gathered: bool = False,
     ) -> Batch:
         n = len(ids)
         frames = placed.frames
@@ -236,8 +184,7 @@ class Assembler:
                 data[int(offsets[i]) : int(offsets[i + 1])] = p[v]
             columns[f.name] = VarColumn(offsets, data)
             k, v = k + 2, v + 1
-        if not gathered:
-            gather_rows(records, rows)
+        gather_rows(records, rows)
         return Batch(out_ids, out_w, columns, frames=frames, lease=placed.lease)
 
 

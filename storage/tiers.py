@@ -47,7 +47,6 @@ _ADMIT_CHUNK: Final = 64  # late DRAM admissions put per turn at the lock
 
 Ranking = Callable[[], "np.ndarray | None"]
 Record = bytes | memoryview  # a record's bytes, or a view of them (valid during a read)
-Consume = Callable[[int, Record], None]  # (position in the batch, verified record)
 
 
 class TierStack:
@@ -76,7 +75,6 @@ class TierStack:
         admit_queue_bytes: int = 0,
     ) -> None:
         self.store = store
-        self._where = f"store {store.path}"  # names a bad record's origin
         self.dram = dram if isinstance(dram, DramCache) else DramCache(dram, pin=store.pin)
         self.arena = arena
         self.record_bytes = max(1, store.total_bytes // max(store.num_samples, 1))
@@ -122,9 +120,7 @@ class TierStack:
             return [bytes(r) for r in records]
 
     @contextmanager
-    def read(
-        self, ids: Sequence[int] | np.ndarray, each: Consume | None = None
-    ) -> Iterator[list[Record]]:
+    def read(self, ids: Sequence[int] | np.ndarray) -> Iterator[list[Record]]:
         """Verified records for ids, in order, from the fastest tier that holds each.
 
         Records read from the store are views into LMDB's map, valid inside the ``with``
@@ -133,12 +129,6 @@ class TierStack:
         arena); DRAM hits are served as they are. A record the policy admits into DRAM has
         its pages locked or is copied there, during the read or, with an admission queue,
         after it.
-
-        With ``each``, record i of the batch is handed to ``each(i, record)`` right after its
-        check, in batch order, before the block is entered: a caller that copies it there
-        reads bytes the checksum has just brought into the CPU's cache, not memory again.
-        ``each`` sees only verified records; when one fails, what it was given of the batch
-        must be thrown away (the error propagates from here).
 
         Raises:
             KeyError: an id is not in the store.
@@ -183,7 +173,7 @@ class TierStack:
                 for sid in keys:
                     moves += access(sid, len(got[sid]), found.get(sid))
                     found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
-            self._verify(keys, missing, got, each)
+            self._verify(missing, got)
             if moves:
                 # Locking pages (or copying) for DRAM is the slow part of an admission: done
                 # before taking the lock, so that assembly threads overlap it; with a queue,
@@ -202,33 +192,16 @@ class TierStack:
                             unpin()
             yield [got[sid] for sid in keys]
 
-    def _verify(
-        self, keys: list[int], missing: list[int], got: dict[int, Record], each: Consume | None
-    ) -> None:
-        """Check the checksums of records read from the store (once per tier crossing).
-
-        The one place a store record is checked; with ``each`` (see ``read``), in batch order,
-        each record handed on right after its check.
-        """
-        if each is None:
-            for sid in missing:
-                self._check(sid, got[sid])
-            return
-        unchecked = set(missing)
-        for i, sid in enumerate(keys):
-            rec = got[sid]
-            if sid in unchecked:
-                unchecked.remove(sid)  # a repeat within the batch is checked once
-                self._check(sid, rec)
-            each(i, rec)
-
-    def _check(self, sid: int, rec: Record) -> None:
-        try:
-            verify(rec, sid, self._where)
-        except CorruptRecordError:
-            with self._lock:  # it was admitted in the bookkeeping: take that back
-                self.policy.forget(sid)
-            raise
+    def _verify(self, missing: list[int], got: dict[int, Record]) -> None:
+        """Check the checksums of records read from the store (once per tier crossing)."""
+        where = f"store {self.store.path}"
+        for sid in missing:
+            try:
+                verify(got[sid], sid, where)
+            except CorruptRecordError:
+                with self._lock:  # it was admitted in the bookkeeping: take that back
+                    self.policy.forget(sid)
+                raise
 
     def cached(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` a tier holds now (a read-ahead skips them): bool per id."""
