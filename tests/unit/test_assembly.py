@@ -42,7 +42,7 @@ def test_assembled_batches_hold_the_store_bytes(tmp_path: Path) -> None:
             assert np.asarray(batch.ids).tolist() == ids.tolist()
 
 
-def test_a_corrupt_record_fails_the_batch_and_gives_its_memory_back(tmp_path: Path) -> None:
+def test_a_corrupt_record_fails_the_batch_and_holds_no_memory(tmp_path: Path) -> None:
     make_store(tmp_path / "s.db")
     env = lmdb.open(str(tmp_path / "s.db"), max_dbs=2)
     with env.begin(write=True, db=env.open_db(b"samples")) as txn:
@@ -52,7 +52,7 @@ def test_a_corrupt_record_fails_the_batch_and_gives_its_memory_back(tmp_path: Pa
     env.close()
 
     class Lease:
-        released = 0
+        lent = released = 0
 
         def release(self) -> None:
             Lease.released += 1
@@ -60,6 +60,7 @@ def test_a_corrupt_record_fails_the_batch_and_gives_its_memory_back(tmp_path: Pa
     def allocate(sizes: list[int]) -> object:
         from loaderd.prefetch import Placed, fresh
 
+        Lease.lent += 1
         return Placed(fresh(sizes).frames, Lease())
 
     with TierStack(SampleStore(tmp_path / "s.db"), 0) as stack:
@@ -67,6 +68,6 @@ def test_a_corrupt_record_fails_the_batch_and_gives_its_memory_back(tmp_path: Pa
         ids = np.array([3, 7, 4])
         with pytest.raises(CorruptRecordError, match="sample 7"):
             assembler.assemble(ids, np.ones(3, np.float32), allocate)  # type: ignore[arg-type]
-        assert Lease.released == 1
+        assert Lease.released == Lease.lent  # nothing lent is left held
         ok = assembler.assemble(np.array([3, 4]), np.ones(2, np.float32))
         assert np.asarray(ok.columns["label"]).tolist() == [3, 4]
