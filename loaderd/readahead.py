@@ -9,11 +9,13 @@ once, so the device sees many in flight while the assemblers copy what has arriv
 here, one thread advising 64 MiB ahead reads a cold store at 96 % of 32 threads issuing
 ``pread``, against 28 % for 32 threads faulting pages in through LMDB (``docs/design.md``).
 
-The window is counted in bytes, not batches: the records advised for batches not yet handed
-out never exceed ``budget_bytes`` over all streams (bounded memory with a store larger than
-RAM). A stream advances only when its pass does, so a trainer that stops mid-epoch leaves a
-full window and nothing running; a stream that has not moved for ``idle_s`` gives its share
-back, and a finished or forgotten pass ends its stream.
+The window is counted in bytes, not batches: the pages advised for batches not yet handed
+out (whole pages; records stored close together are one range, the pages between them
+counted: ``SampleStore.advise_bytes``) never exceed ``budget_bytes`` over all streams
+(bounded memory with a store larger than RAM). A stream advances only when its pass does,
+so a trainer that stops mid-epoch leaves a full window and nothing running; a stream that has
+not moved for ``idle_s`` gives its share back, and a finished or forgotten pass ends its
+stream.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class ReadAhead:
         self._mean = max(1, store.total_bytes // max(store.num_samples, 1))
         self.advised_bytes = 0
         self.advised_records = 0
+        self.advise_calls = 0  # posix_fadvise calls: records stored close together share one
         self.peak_bytes = 0
         self.busy = False
         self._warned = False
@@ -149,8 +152,9 @@ class ReadAhead:
         s = self._streams[key]
         index = s.issued
         ids = s.plan.batch(index)[0]
-        sizes = self.store.record_bytes(ids)
-        need = int(sizes.sum()) if sizes is not None else self._mean * len(ids)
+        need = self.store.advise_bytes(ids)  # whole pages, and the pages a joined range spans
+        if need is None:
+            need = self._mean * len(ids)
         if self._bytes + need > self.budget_bytes:
             if not self._bytes and not self._warned:
                 self._warned = True
@@ -176,10 +180,10 @@ class ReadAhead:
                 s.issued = index + 1  # claimed: the server thread may move the head meanwhile
             try:
                 todo = ids[~self.cached(ids)]
-                done = self.store.advise(todo) if len(todo) else 0
+                done, calls = self.store.advise(todo) if len(todo) else (0, 0)
             except Exception:
                 logger.exception("read-ahead of pass %s failed; going on without it", key)
-                done = 0
+                done, calls = 0, 0
             with self._cond:
                 if self._streams.get(key) is s and index >= s.head:
                     s.window.append((index, need))
@@ -188,6 +192,7 @@ class ReadAhead:
                     self.peak_bytes = max(self.peak_bytes, self._bytes)
                 self.advised_bytes += done
                 self.advised_records += len(todo)
+                self.advise_calls += calls
 
     # --- the rest -----------------------------------------------------------------------------
 
@@ -204,6 +209,7 @@ class ReadAhead:
                 "peak_window_bytes": self.peak_bytes,
                 "advised_bytes": self.advised_bytes,
                 "advised_records": self.advised_records,
+                "advise_calls": self.advise_calls,
                 "streams": len(self._streams),
                 "busy": self.busy,
                 "indexed": self.indexed,

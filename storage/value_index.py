@@ -57,6 +57,32 @@ class ValueIndex:
         """Record bytes of these samples."""
         return int(self.lengths[ids].sum(dtype=np.int64))
 
+    def ranges(self, ids: np.ndarray, gap: int = 0, page: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The records' byte ranges in file order, whole pages, neighbours joined.
+
+        Each record's range is widened to whole ``page``s (what the page cache holds of it);
+        ranges that overlap (a repeated id), touch, or lie at most ``gap`` bytes apart become
+        one, so that a run of records stored one after the other (LMDB puts a leaf page
+        between runs now and then) is asked for in one system call. The pages between joined
+        records are part of the range: a caller that bounds the bytes it asks for counts them.
+
+        Returns:
+            ``(starts, lengths)``: int64, sorted by start, disjoint, ``page``-aligned.
+        """
+        offsets = self.offsets[ids]
+        if not len(offsets):
+            return offsets.astype(np.int64), offsets.astype(np.int64)
+        order = np.argsort(offsets, kind="stable")
+        starts = offsets[order] // page * page
+        ends = -(-(offsets[order] + self.lengths[ids][order].astype(np.int64)) // page) * page
+        ends = np.maximum.accumulate(ends)  # a range's end is the furthest end so far
+        first = np.empty(len(starts), bool)
+        first[0] = True
+        first[1:] = starts[1:] > ends[:-1] + gap  # a new range where the gap is too wide
+        heads = np.flatnonzero(first)
+        lasts = np.append(heads[1:], len(starts)) - 1
+        return starts[heads], ends[lasts] - starts[heads]
+
 
 def build_value_index(path: Path, db_name: bytes, num_samples: int) -> ValueIndex | None:
     """Walk the B-tree of ``db_name`` in ``path`` (a data.mdb) and index its values.

@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loaderd.planner import plan_pass
+from loaderd.planner import RankPlan, plan_pass
 from loaderd.readahead import ReadAhead
 from loaderd.storage.dram import DramCache
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import PIN_MIN_BYTES, SampleStore, StoreWriter
+from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, SampleStore, StoreWriter
+from loaderd.storage.tiers import TierStack
 from loaderd.storage.value_index import build_value_index
 from tests.helpers import wait_until
 
@@ -58,6 +59,55 @@ def test_value_index_of_a_damaged_file_is_none(tmp_path: Path) -> None:
     # A store claiming more samples than its tree holds has no index (ids would be missing).
     assert build_value_index(src / "data.mdb", b"samples", 21) is None
     assert build_value_index(src / "data.mdb", b"other", 20) is None
+
+
+def test_ranges_cover_every_record_once_in_file_order(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        index = store.value_index
+        assert index is not None
+        page = os.sysconf("SC_PAGE_SIZE")
+        rng = np.random.default_rng(1)
+        for ids in (np.arange(N), rng.permutation(N)[:40], rng.integers(0, N, 60), np.arange(1)):
+            starts, lengths = index.ranges(ids, ADVISE_GAP, page)
+            ends = starts + lengths
+            assert (starts % page == 0).all() and (lengths % page == 0).all()
+            assert (np.diff(starts) > 0).all() and (starts[1:] > ends[:-1] + ADVISE_GAP).all()
+            where = np.searchsorted(starts, index.offsets[ids], side="right") - 1
+            assert (where >= 0).all()  # every record lies inside one range
+            assert (index.offsets[ids] + index.lengths[ids] <= ends[where]).all()
+            assert store.advise_bytes(ids) == int(lengths.sum())
+        # Records stored in a row are one range; with no gap allowed, only touching pages join.
+        assert len(index.ranges(np.arange(N), ADVISE_GAP, page)[0]) == 1
+        assert len(index.ranges(np.arange(0, N, 8), 0, 1)[0]) == len(range(0, N, 8))
+
+
+def test_a_run_of_records_is_advised_in_one_call_and_read_exact(
+    store_path: Path, tmp_path: Path
+) -> None:
+    codec = RecordCodec(Schema((Field("blob", "binary"), Field("label", "int64"))))
+    rng = np.random.default_rng(0)  # make_store's draws, in its order
+    want = [rng.bytes(SIZES[i % 2] + i) for i in range(N)]
+    with SampleStore(store_path) as store:
+        run = np.arange(40, 104)  # 64 records stored one after the other
+        plan = RankPlan(run, np.ones(len(run), np.float32), np.array([0, len(run)]))
+        ra = ReadAhead(store, lambda ids: np.zeros(len(ids), bool), 1 << 30)
+        try:
+            ra.follow(("run", 0, 0, "train"), plan, 0)
+            wait_until(lambda: ra.stats()["advised_records"] == len(run), what="the run")
+            s = ra.stats()
+            assert s["advise_calls"] == 1
+            assert s["advised_bytes"] == store.value_index.nbytes(run)  # type: ignore[union-attr]
+            assert s["window_bytes"] == store.advise_bytes(run) <= s["budget_bytes"]
+        finally:
+            ra.close()
+        with TierStack(store, 0) as tiers:  # the serving path's read, advised in one call too
+            where = f"store {store_path}"
+            got = [
+                codec.decode(r, int(i), where)
+                for r, i in zip(tiers.get_many(run), run, strict=True)
+            ]
+        assert [g["blob"] for g in got] == [want[i] for i in run]
+        assert [g["label"] for g in got] == run.tolist()
 
 
 def test_readahead_window_holds_its_budget_and_follows_the_pass(store_path: Path) -> None:

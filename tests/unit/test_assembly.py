@@ -1,0 +1,73 @@
+"""Batch assembly of large fixed-field records: the store's bytes, a bad one fails cleanly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from loaderd.prefetch import Assembler
+from loaderd.storage.errors import CorruptRecordError
+from loaderd.storage.records import Field, RecordCodec, Schema
+from loaderd.storage.store import SampleStore, StoreWriter, sample_key
+from loaderd.storage.tiers import TierStack
+
+IMAGE = 40_000  # above the size where records are joined: copied row by row
+SCHEMA = Schema((Field("image", "uint8", (IMAGE,)), Field("label", "int64")))
+N = 30
+
+
+def make_store(path: Path) -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    images = [rng.integers(0, 256, IMAGE, dtype=np.uint8) for _ in range(N)]
+    codec = RecordCodec(SCHEMA)
+    with StoreWriter(path, SCHEMA) as w:
+        w.append(codec.encode({"image": images[i], "label": i}) for i in range(N))
+    return images
+
+
+def test_assembled_batches_hold_the_store_bytes(tmp_path: Path) -> None:
+    images = make_store(tmp_path / "s.db")
+    with TierStack(SampleStore(tmp_path / "s.db"), 8 * (IMAGE + 64)) as stack:
+        assembler = Assembler(stack, SCHEMA)
+        rng = np.random.default_rng(0)
+        for _ in range(4):  # misses, then some DRAM hits among them, a repeated id too
+            ids = rng.integers(0, N, 12)
+            batch = assembler.assemble(ids, np.ones(len(ids), np.float32))
+            image = np.asarray(batch.columns["image"])
+            assert (image == np.stack([images[i] for i in ids])).all()
+            assert np.asarray(batch.columns["label"]).tolist() == ids.tolist()
+            assert np.asarray(batch.ids).tolist() == ids.tolist()
+
+
+def test_a_corrupt_record_fails_the_batch_and_holds_no_memory(tmp_path: Path) -> None:
+    make_store(tmp_path / "s.db")
+    env = lmdb.open(str(tmp_path / "s.db"), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"samples")) as txn:
+        rec = bytearray(txn.get(sample_key(7)))
+        rec[-1] ^= 0xFF
+        txn.put(sample_key(7), bytes(rec))
+    env.close()
+
+    class Lease:
+        lent = released = 0
+
+        def release(self) -> None:
+            Lease.released += 1
+
+    def allocate(sizes: list[int]) -> object:
+        from loaderd.prefetch import Placed, fresh
+
+        Lease.lent += 1
+        return Placed(fresh(sizes).frames, Lease())
+
+    with TierStack(SampleStore(tmp_path / "s.db"), 0) as stack:
+        assembler = Assembler(stack, SCHEMA)
+        ids = np.array([3, 7, 4])
+        with pytest.raises(CorruptRecordError, match="sample 7"):
+            assembler.assemble(ids, np.ones(3, np.float32), allocate)  # type: ignore[arg-type]
+        assert Lease.released == Lease.lent  # nothing lent is left held
+        ok = assembler.assemble(np.array([3, 4]), np.ones(2, np.float32))
+        assert np.asarray(ok.columns["label"]).tolist() == [3, 4]
