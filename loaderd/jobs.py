@@ -210,6 +210,10 @@ class Job:
         engine_type: the importance engine's class.
     """
 
+    # The feedback journal is emptied into a snapshot once it holds this much (or four
+    # snapshots' worth, if more): see ``_journal_bound``.
+    journal_min_bytes = 16 << 20
+
     def __init__(
         self,
         spec: JobSpec,
@@ -518,7 +522,10 @@ class Job:
         Raises:
             JobError: an id is outside the dataset or a loss is not finite.
         """
-        for e, sel_ids, sel_losses in self.feedback_blocks(ids, losses):
+        blocks = self.feedback_blocks(ids, losses)
+        if self.journal is not None and self.journal.size_bytes >= self._journal_bound():
+            self.save_engine()  # before anything changes: a failure refuses this FEEDBACK whole
+        for e, sel_ids, sel_losses in blocks:
             if self.journal is not None:  # journalled first: a failed append changes nothing
                 self.journal.append(e, kind, sel_ids, sel_losses)
                 crashpoints.hit("journal-append")
@@ -639,6 +646,17 @@ class Job:
         if self.cursor_log is not None:
             self.cursor_log.reset(generation)  # job.json now holds all it had
         self._dirty = self._new_pass = False
+
+    def _journal_bound(self) -> int:
+        """The journal's size past which the engine is snapshotted and the journal emptied.
+
+        The journal is otherwise emptied only at a selection: a client feeding losses back
+        again and again (or a sampler that never selects) would grow it, and every restart's
+        replay, without end. Past a few snapshots' worth, rewriting the snapshot is cheaper.
+        """
+        path = self.dir / "importance.npz" if self.dir is not None else None
+        snapshot = path.stat().st_size if path is not None and path.exists() else 0
+        return max(self.journal_min_bytes, 4 * snapshot)
 
     def save_engine(self) -> None:
         """Snapshot the engine's arrays and empty the journal they now contain."""

@@ -114,6 +114,11 @@ class FeedbackJournal:
         self._end = self._synced = 0
 
     @property
+    def size_bytes(self) -> int:
+        """Bytes appended since the last reset."""
+        return self._end
+
+    @property
     def closed(self) -> bool:
         """Whether ``close`` was called."""
         return self._fd < 0

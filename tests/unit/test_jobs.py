@@ -369,3 +369,35 @@ def test_duplicate_acks_survive_restart(tmp_path: Path) -> None:
         assert again.duplicate_acks == 2
     finally:
         again.close()
+
+
+def test_the_journal_stays_bounded_when_no_selection_empties_it(tmp_path: Path) -> None:
+    # A client feeding the same samples' losses back again and again within one epoch (no
+    # selection snapshots the engine meanwhile): the journal is emptied into a snapshot once
+    # it holds its bound, and a start after a kill still knows every loss.
+    job = make_job(tmp_path)
+    job.journal_min_bytes = 2048
+    mirror = make_job(None)
+    served = []
+    for job_ in (job, mirror):
+        state = job_.open_pass(0, 0, "train")
+        served.append([i for _ in range(5) for i in job_.assign(0, state, 0)[1]])  # type: ignore[index]
+    assert served[0] == served[1]
+    ids = np.array(served[0], np.int64)
+    log = tmp_path / "feedback.log"
+    entry = 32 + 12 * len(ids)  # header, ids and losses of one FEEDBACK
+    peak = 0
+    for k in range(200):
+        losses = np.full(len(ids), 0.5 + 0.01 * k, np.float32)
+        job.record_feedback(ids, losses, "train")
+        mirror.record_feedback(ids, losses, "train")
+        peak = max(peak, log.stat().st_size)
+    assert peak < job._journal_bound() + entry  # not 200 entries' worth
+    job.save()
+    assert job.journal is not None
+    job.journal.close()  # killed without close()
+    again = make_job(tmp_path)
+    try:
+        assert_same_engine(mirror, again)
+    finally:
+        again.close()
