@@ -117,6 +117,16 @@ def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def big_store(tmp_path: Path, n: int, kib: int) -> tuple[Path, list[bytes]]:
+    """A store of ``n`` records of ``kib`` KiB (large enough to be locked, not copied), and
+    the bytes of each as stored."""
+    path = tmp_path / "big"
+    with StoreWriter(path, SCHEMA) as w:
+        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (kib << 10)}) for i in range(n)])
+    with SampleStore(path) as s:
+        return path, s.get_many(range(n))
+
+
 def test_tier_stack_serves_the_store_bytes_and_counts(store_path: Path) -> None:
     with SampleStore(store_path) as store:
         truth = store.get_many(range(100))
@@ -187,11 +197,7 @@ def test_locked_store_pages_follow_the_tier_under_concurrent_reads(tmp_path: Pat
     # admission locks them outside the stack's lock, so two threads race on it here.
     from concurrent.futures import ThreadPoolExecutor
 
-    path = tmp_path / "big"
-    with StoreWriter(path, SCHEMA) as w:
-        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (40 << 10)}) for i in range(40)])
-    with SampleStore(path) as s:
-        truth = s.get_many(range(40))
+    path, truth = big_store(tmp_path, 40, 40)
     store = SampleStore(path)
     stack = TierStack(store, len(truth[0]) * 5)  # room for five: evictions unlock pages
     try:
@@ -218,11 +224,7 @@ def test_admission_queue_admits_after_the_read_and_locks_nothing_it_forgets(
 ) -> None:
     # Records large enough to be held as locked views: the queue's worker locks them after
     # the read returned; a second read is then served from DRAM without touching the store.
-    path = tmp_path / "big"
-    with StoreWriter(path, SCHEMA) as w:
-        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (40 << 10)}) for i in range(40)])
-    with SampleStore(path) as s:
-        truth = s.get_many(range(40))
+    path, truth = big_store(tmp_path, 40, 40)
     store = SampleStore(path)
     stack = TierStack(store, len(truth[0]) * 50, admit_queue_bytes=8 << 20)
     try:
@@ -245,11 +247,7 @@ def test_admission_queue_admits_after_the_read_and_locks_nothing_it_forgets(
 
 def test_a_full_admission_queue_drops_and_the_policy_forgets(tmp_path: Path) -> None:
     # Records large enough to be locked go through the queue (smaller ones are copied inline).
-    path = tmp_path / "big"
-    with StoreWriter(path, SCHEMA) as w:
-        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (20 << 10)}) for i in range(100)])
-    with SampleStore(path) as store:
-        truth = store.get_many(range(100))
+    path, truth = big_store(tmp_path, 100, 20)
     # A bound below one record: one admission at a time, the rest of a read's are dropped.
     stack = TierStack(SampleStore(path), DramCache(8 << 20), admit_queue_bytes=1)
     try:
@@ -272,9 +270,7 @@ def test_a_full_admission_queue_drops_and_the_policy_forgets(tmp_path: Path) -> 
 
 
 def test_closing_with_admissions_queued_unlocks_everything(tmp_path: Path) -> None:
-    path = tmp_path / "big"
-    with StoreWriter(path, SCHEMA) as w:
-        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (40 << 10)}) for i in range(60)])
+    path, _ = big_store(tmp_path, 60, 40)
     store = SampleStore(path)
     stack = TierStack(store, 64 << 20, admit_queue_bytes=64 << 20)
     for lo in range(0, 60, 6):
