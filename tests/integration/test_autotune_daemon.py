@@ -17,26 +17,40 @@ from loaderd.client import LoaderdDataset
 from loaderd.config import AutotuneConfig, DaemonConfig, PrefetchConfig
 from loaderd.server import Server
 from loaderd.stats import format_table
-from tests.helpers import Daemon, wait_until
+from tests.conftest import N_SAMPLES
+from tests.helpers import Daemon, make_npz, wait_until
 from tests.integration.test_errors import loaderd, one_line_error
 
 pytestmark = pytest.mark.integration
 
 Dataset = tuple[Path, dict[str, np.ndarray]]
+WINDOW = 256 << 10  # the read-ahead's first bound: a batch of 8 records spans ~128 KiB
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store of 12 KiB records: a read-ahead counts whole pages, so records of a few hundred
+    bytes would put a batch's pages (and the whole store) under one small window."""
+    from loaderd.storage.ingest import ingest
+
+    root = tmp_path_factory.mktemp("wide")
+    make_npz(root / "wide.npz", N_SAMPLES, shape=(3, 64, 64))
+    ingest(root / "wide.npz", root / "wide.db", progress=False)
+    return root / "wide.db"
 
 
 @pytest.fixture
-def server(dataset: Dataset, tmp_path: Path) -> Iterator[Server]:
+def server(wide: Path, tmp_path: Path) -> Iterator[Server]:
     """A daemon in this process (its loop on a thread), so the test can turn its knobs.
 
     The controller's rounds are an hour long: only the test moves the knobs here.
     """
     sock = Path(tempfile.mkdtemp(prefix="ld-at-", dir="/tmp")) / "d.sock"
     config = DaemonConfig(
-        db=dataset[0],
+        db=wide,
         socket=f"ipc://{sock}",
         state_dir=tmp_path / "state",
-        prefetch=PrefetchConfig(depth=2, workers=1, readahead_bytes=4096),
+        prefetch=PrefetchConfig(depth=2, workers=1, readahead_bytes=WINDOW),
         autotune=AutotuneConfig(mode="hill", interval_s=3600),
     )
     srv = Server(config)
@@ -63,13 +77,13 @@ def test_knobs_change_what_the_daemon_does(server: Server) -> None:
     next(it)  # then the trainer pauses: the read-ahead window fills, assemblies stop
     ra = server.readahead
     wait_until(lambda: not ra.busy and ra.stats()["window_bytes"] > 0, what="a window")
-    assert ra.stats()["window_bytes"] <= 4096
+    assert ra.stats()["window_bytes"] <= WINDOW
     wait_until(lambda: server.prefetcher.pending == 2, what="two batches assembled ahead")
 
-    knob(server, "readahead_bytes", 16384)  # the window grows to the new bound, not past it
-    wait_until(lambda: ra.stats()["window_bytes"] > 8192, what="a wider window")
+    knob(server, "readahead_bytes", 4 * WINDOW)  # the window grows to the new bound, not past it
+    wait_until(lambda: ra.stats()["window_bytes"] > 2 * WINDOW, what="a wider window")
     wait_until(lambda: not ra.busy, what="the window to fill")
-    assert 8192 < ra.stats()["window_bytes"] <= 16384
+    assert 2 * WINDOW < ra.stats()["window_bytes"] <= 4 * WINDOW
 
     knob(server, "prefetch_depth", 8)  # read at the next request
     next(it)
