@@ -76,7 +76,7 @@ class PrefetchConfig:
     """How far ahead of demand batches are assembled, and by how many threads."""
 
     depth: int = 8  # batches assembled ahead of the first unassigned one, per rank and pass
-    workers: int = 2  # assembly threads (LMDB reads and copies release the GIL)
+    workers: int = 2  # assembly threads (LMDB reads and checksums release the GIL)
     # Store bytes asked of the kernel ahead of the passes (loaderd.readahead); 0: off.
     readahead_bytes: int = 256 << 20
 

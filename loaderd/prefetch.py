@@ -8,11 +8,12 @@ batch's frames: ids, weights, then per field its rows (fixed shape) or its offse
 one, or when it has none that fits, the frames are fresh memory. The record layout comes from
 ``storage.records.Layout``; nothing here knows a byte offset of its own.
 
-``Prefetcher`` runs assemblies on a small thread pool (LMDB reads, checksums and copies
-release the GIL for the bytes they touch) and announces finished ones through a pipe that the
-server loop polls next to its socket. Batches wait for a worker in one queue per stream (a
-job's rank, the key's first two parts), served in turn: a client that asks for many batches
-delays another job's next batch by one assembly, not by all of its own.
+``Prefetcher`` runs assemblies on a small thread pool (LMDB reads and checksums release the
+GIL for the bytes they touch; the copies into a batch hold it, see ``gather_rows``) and
+announces finished ones through a pipe that the server loop polls next to its socket.
+Batches wait for a worker in one queue per stream (a job's rank, the key's first two parts),
+served in turn: a client that asks for many batches delays another job's next batch by one
+assembly, not by all of its own.
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ Key = tuple[Any, ...]
 # per row and field); larger ones are copied row by row (one copy; ~0.4 us a row no longer
 # matters next to the bytes).
 _JOIN_BELOW = 16 << 10
-# Rows at least this long are copied by numpy, which lets go of the GIL for the copy (the
-# other assembler copies meanwhile); shorter ones by a memoryview slice (less overhead).
-_NUMPY_FROM = 32 << 10
 
 
 @dataclass(slots=True)
@@ -101,12 +99,11 @@ def gather_rows(records: Sequence[Record], outs: Sequence[tuple[memoryview, int,
         for out, offset, width in outs:
             np.frombuffer(out, np.uint8).reshape(n, width)[:] = rows[:, offset : offset + width]
         return
+    # Row by row with the GIL held. A copy that lets go of the GIL (np.copyto) must win it
+    # back for the next row, 64 times a batch, from the server loop or the other assembler:
+    # the gather then spends more time handing over the GIL than copying
+    # (benchmarks/bench_gather.py).
     for out, offset, width in outs:
-        if width >= _NUMPY_FROM:
-            rows_out = np.frombuffer(out, np.uint8).reshape(n, width)
-            for i, rec in enumerate(records):
-                np.copyto(rows_out[i], np.frombuffer(rec, np.uint8, width, offset))
-            continue
         end = offset + width
         for i, rec in enumerate(records):
             out[i * width : (i + 1) * width] = memoryview(rec)[offset:end]
