@@ -259,6 +259,7 @@ class Job:
         )
         self.dir = state_dir
         self.journal: FeedbackJournal | None = None
+        self._journal_bound_bytes: int | None = None
         self.cursor_log: CursorLog | None = None
         self._dirty = False
         self._new_pass = False  # a pass started since job.json was written
@@ -654,9 +655,10 @@ class Job:
         again and again (or a sampler that never selects) would grow it, and every restart's
         replay, without end. Past a few snapshots' worth, rewriting the snapshot is cheaper.
         """
-        path = self.dir / "importance.npz" if self.dir is not None else None
-        snapshot = path.stat().st_size if path is not None and path.exists() else 0
-        return max(self.journal_min_bytes, 4 * snapshot)
+        if self._journal_bound_bytes is None:  # the engine's arrays are sized once, at start
+            snapshot = sum(a.nbytes for a in self.engine.state_dict().values())
+            self._journal_bound_bytes = max(self.journal_min_bytes, 4 * snapshot)
+        return self._journal_bound_bytes
 
     def save_engine(self) -> None:
         """Snapshot the engine's arrays and empty the journal they now contain."""
