@@ -282,7 +282,7 @@ def top_frames(raw: Path, k: int = 12) -> list[tuple[float, str]]:
         total += int(n)
         for frame in set(stack.split(";")):
             counts[frame] = counts.get(frame, 0) + int(n)
-    skip = ("threading.py", "<module>", "runpy", "thread.py", "cli.py", "__main__")
+    skip = ("threading.py", "<module>", "runpy", "thread.py", "cli.py", "__main__", "bench_")
     ranked = sorted(
         ((c / total, f) for f, c in counts.items() if not any(s in f for s in skip)), reverse=True
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import shlex
 import shutil
 import signal
@@ -64,6 +65,49 @@ GOALS: dict[str, tuple[float, str | None, float]] = {
 }
 
 
+@contextmanager
+def spied(pid: int, out: Path | None) -> Any:
+    """py-spy on process ``pid`` while the block runs (raw stacks into ``out``)."""
+    spy = None
+    if out is not None and Path(PY_SPY).exists():
+        cmd = [PY_SPY, "record", "-p", str(pid), "-f", "raw", "-r", "100", "--nonblocking"]
+        spy = subprocess.Popen(
+            [*cmd, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        time.sleep(0.5)  # attached
+    try:
+        yield
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            try:
+                spy.wait(20)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
+
+
+class CpuUse:
+    """Cores each process kept busy over a block: the daemon and this trainer.
+
+    Together they tell a row bound by work (the two near the machine's cores) from one bound
+    by waiting (a request/reply chain with both sides idle part of the time).
+    """
+
+    def __init__(self, daemon: psutil.Process) -> None:
+        self.procs = {"daemon": daemon, "trainer": psutil.Process()}
+        self.cores: dict[str, float] = {}
+
+    @contextmanager
+    def measured(self) -> Any:
+        t0 = time.perf_counter()
+        before = {k: sum(p.cpu_times()[:2]) for k, p in self.procs.items()}
+        yield
+        wall = time.perf_counter() - t0
+        for k, p in self.procs.items():
+            self.cores[k] = round((sum(p.cpu_times()[:2]) - before[k]) / wall, 2)
+
+
 # --- a daemon for one measurement --------------------------------------------------------------
 
 
@@ -84,29 +128,6 @@ class Served:
     def rss(self) -> int:
         self.peak_rss = max(self.peak_rss, int(self.ps.memory_info().rss))
         return self.peak_rss
-
-    @contextmanager
-    def profiled(self, out: Path | None) -> Any:
-        """py-spy on the daemon while the block runs (raw stacks into ``out``)."""
-        spy = None
-        if out is not None and Path(PY_SPY).exists():
-            cmd = [PY_SPY, "record", "-p", str(self.proc.pid), "-f", "raw", "-r", "100"]
-            spy = subprocess.Popen(
-                [*cmd, "--nonblocking", "-o", str(out)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(0.5)  # attached
-        try:
-            yield
-        finally:
-            if spy is not None:
-                spy.send_signal(signal.SIGINT)
-                try:
-                    spy.wait(20)
-                except subprocess.TimeoutExpired:
-                    spy.kill()
-                    spy.wait()
 
     def close(self) -> None:
         from loaderd.launch import stop_daemon
@@ -143,17 +164,21 @@ def one_trainer(
     try:
         ds = LoaderdDataset(srv.address, job="bench", batch_size=BATCH, prefetch=8)
         ds.connect()
-        rates, profiles = [], []
+        rates, profiles, cores = [], [], []
         for e in range(epochs):
             prof = ctx.profile_path(f"{tag}-e{e}")
-            with srv.profiled(prof):
+            mine = ctx.profile_path(f"{tag}-e{e}-trainer")
+            use = CpuUse(srv.ps)
+            with spied(srv.proc.pid, prof), spied(os.getpid(), mine), use.measured():
                 rates.append(run_epoch(ds, srv))
-            profiles.append(prof)
+            profiles.append((prof, mine))
+            cores.append(use.cores)
         stats = ds.stats()
         ds.close()
         return {
             "rates": rates,
             "profiles": profiles,
+            "cores": cores,
             "resident_before": left,
             "daemon_rss": srv.rss(),
             "client_rss": psutil.Process().memory_info().rss,
@@ -289,14 +314,16 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
                 st[state][w] = r[state]
                 row(f"Streaming (MDS) num_workers={w}, {state}", r[state])
 
-    def compare(state: str, goal: str, sps: float, profile: Path | None, **more: Any) -> None:
+    def compare(
+        state: str, goal: str, sps: float, profiles: tuple[Path | None, Path | None], **more: Any
+    ) -> None:
         best_dl = max(dl[state].values())
         best_st = max(st[state].values()) if st[state] else None
         vs_dl, other, need = GOALS[goal]
         bound = {"disk": disk_sps, "memcpy": mem / per_sample}.get(other or "")
         met = sps >= vs_dl * best_dl and (bound is None or sps >= need * bound)
         met = met and (best_st is None or sps > best_st)
-        frames = top_frames(profile) if profile is not None and not met else []
+        daemon, trainer = (top_frames(p) if p is not None and not met else [] for p in profiles)
         row(
             f"loaderd shm, {goal}",
             sps,
@@ -306,7 +333,8 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
             vs_bound=round(sps / bound, 2) if bound else None,
             bound=other,
             met=met,
-            profile=[[round(s, 3), f] for s, f in frames],
+            profile=[[round(s, 3), f] for s, f in daemon],
+            trainer_profile=[[round(s, 3), f] for s, f in trainer],
             **more,
         )
 
@@ -317,19 +345,22 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
         "client_rss_mb": round(cold["client_rss"] / 2**20),
     }
     compare(
-        "cold", "cold", cold["rates"][0], cold["profiles"][0],
+        "cold", "cold", cold["rates"][0], cold["profiles"][0], cores=cold["cores"][0],
         resident_before=round(cold["resident_before"], 3), readahead=cold["readahead"], **mb,
     )  # fmt: skip
     hit = max(cold["rates"][1:])
     best = cold["rates"].index(hit)
-    compare("warm", "hit", hit, cold["profiles"][best], **mb)
+    compare("warm", "hit", hit, cold["profiles"][best], cores=cold["cores"][best], **mb)
 
     miss = one_trainer(db, ctx, dram_all, 1, cold=False, tag=f"{label}-warm")
-    compare("warm", "warm miss", miss["rates"][0], miss["profiles"][0], **mb)
+    compare(
+        "warm", "warm miss", miss["rates"][0], miss["profiles"][0], cores=miss["cores"][0], **mb
+    )
 
     big = one_trainer(db, ctx, store_bytes // 4, 3, cold=False, tag=f"{label}-big")
     compare(
         "warm", "larger than DRAM", big["rates"][-1], big["profiles"][-1],
+        cores=big["cores"][-1],
         epochs=[round(r) for r in big["rates"]], dram_bytes=store_bytes // 4,
         daemon_rss_mb=round(big["daemon_rss"] / 2**20),
         client_rss_mb=round(big["client_rss"] / 2**20),
@@ -400,13 +431,22 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
                 )
         out.append("")
         for r in sub:
-            if r.get("profile"):
-                out += [
-                    f"Where the daemon's busy time went, {r['config']} (py-spy, inclusive):",
-                    "",
-                ]
-                out += [f"- {share:.0%} {frame}" for share, frame in r["profile"]]
-                out.append("")
+            if r.get("cores"):
+                c = r["cores"]
+                out.append(
+                    f"{r['config']}: busy cores: daemon {c['daemon']}, trainer {c['trainer']} "
+                    f"(of {info['nproc']})."
+                )
+        out.append("")
+        for r in sub:
+            for key, who in (("profile", "daemon"), ("trainer_profile", "trainer")):
+                if r.get(key):
+                    out += [
+                        f"Where the {who}'s busy time went, {r['config']} (py-spy, inclusive):",
+                        "",
+                    ]
+                    out += [f"- {share:.0%} {frame}" for share, frame in r[key]]
+                    out.append("")
     return "\n".join(out)
 
 
