@@ -51,6 +51,7 @@ from loaderd.client.resume import (
     recoverable,
 )
 from loaderd.client.slot_lifetime import hold_slot
+from loaderd.client.unconfirmed import Unconfirmed
 
 logger = logging.getLogger(__name__)
 install()  # the main process acknowledges what the training loop received
@@ -172,8 +173,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self.buffers = buffers
         self._hello_pid = -1
         self._schema: list[FieldSpec] = []
-        self._feedback: deque[int] = deque()
-        self._pending_feedback: dict[int, tuple[dict[str, Any], list[Any]]] = {}
+        self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)  # sent, OK not yet read
         self.reconnect_s = reconnect_s
         self._progress: dict[str, PassProgress] = {}
         self.delivery = DeliveryStats()
@@ -258,6 +258,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         release: list[int] = []  # shared-memory slots this process no longer reads
         freed: deque[int] = deque()  # filled as the trainer drops batches (slot_lifetime.py)
         in_flight: deque[int] = deque()
+        # The loop's acknowledgements once no GET_BATCH is due to carry them (module doc).
+        acks = Unconfirmed(self.prefetch)
         ended = False
         try:
             while True:
@@ -269,8 +271,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                         in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))
                         release = []
                     if not in_flight:
-                        # The pass is over for this consumer once its losses are recorded:
-                        # the daemon plans a re-scored epoch only after that (jobs.py).
+                        # The pass is over for this consumer once its acknowledgements and
+                        # losses are recorded: the daemon plans a re-scored epoch only after
+                        # that (jobs.py). A refused acknowledgement raises here at the latest.
+                        acks.confirm_all(self._conn)
                         self.flush()
                         meta = {**request, "acks": [], "release": release, "end": True}
                         self._conn.request(MsgType.ACK, meta, expect=MsgType.OK)
@@ -303,20 +307,22 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     if not recoverable(e) or self.reconnect_s <= 0:
                         raise
                     in_flight.clear()
+                    acks.drop()  # the resume says what the loop received
                     release = []  # reopening the pass takes every slot back
                     ended = self._reconnect(base, progress)[0] != epoch
                     continue
-                if acks_here:  # acknowledged before the loop has it: a kill loses nothing
+                if acks_here:  # acknowledged before the loop has it, without waiting
                     progress.delivered.add(index)
-                    try:
-                        meta = {**request, "acks": [index], "loop": True}
-                        self._conn.request(MsgType.ACK, meta, expect=MsgType.OK)
-                    except (DaemonUnavailableError, RemoteError) as e:
-                        if not recoverable(e) or self.reconnect_s <= 0:
-                            raise
-                        in_flight.clear()
-                        release = []
-                        ended = self._reconnect(base, progress)[0] != epoch  # resume has it
+                    while freed:
+                        release.append(freed.popleft())
+                    meta = {**request, "acks": [index], "loop": True, "release": release}
+                    if not ended and len(in_flight) < self.prefetch:
+                        # On the request refilling the window; its BATCH (or END) comes after
+                        # the acknowledgement is written, so waiting for it confirms both.
+                        in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))
+                    else:
+                        acks.send(self._conn, MsgType.ACK, meta)
+                    release = []
                     self._delivered(progress, batches)
                 yield batch
             if acks_here:
@@ -328,6 +334,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             self._phase = "train"
             for rid in in_flight:
                 self._conn.ignore(rid)
+            acks.drop(self._conn)  # a pass left early: a refused acknowledgement is logged
 
     def _transformed(self, batch: TaggedBatch, acks_here: bool) -> Any:
         """``transform(batch)``, in a form that carries the batch's tag to the loop's process.
@@ -550,10 +557,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._hello_retrying()
         frames = feedback_frames(_as_numpy(ids, np.int64), _as_numpy(losses, np.float32))
         meta = {"job": self.job, "kind": kind or self._phase}
-        rid = self._conn.send(MsgType.FEEDBACK, meta, frames)
-        self._feedback.append(rid)
-        self._pending_feedback[rid] = (meta, frames)
-        while len(self._feedback) > _MAX_FEEDBACK_IN_FLIGHT:
+        self._feedback.send(self._conn, MsgType.FEEDBACK, meta, frames)
+        while self._feedback.over_limit():
             self._wait_feedback()  # bounded memory, and errors surface
 
     def _wait_feedback(self) -> None:
@@ -562,20 +567,12 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         Feedback is at-least-once: what a crashed daemon had journalled but not confirmed is
         recorded twice, which only adds one more loss sample to the importance history.
         """
-        rid = self._feedback[0]
         try:
-            self._conn.wait(rid)
-        except RemoteError:
-            self._feedback.popleft()  # refused: it will not be sent again
-            self._pending_feedback.pop(rid, None)
-            raise
+            self._feedback.confirm_oldest(self._conn)  # refused: raised, not sent again
         except DaemonUnavailableError:
             if self.reconnect_s <= 0:
                 raise
             self._hello_retrying(again=True)
-            return
-        self._feedback.popleft()
-        self._pending_feedback.pop(rid, None)
 
     def _hello_retrying(self, again: bool = False) -> None:
         """HELLO, reconnecting for up to ``reconnect_s`` while the daemon is away."""
@@ -601,12 +598,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._conn.reset()  # replies to the old socket are lost: their requests go again
         self._hello_pid = -1
         self._hello()
-        pending = [self._pending_feedback.pop(r) for r in self._feedback]
-        self._feedback.clear()
-        for meta, frames in pending:
-            r = self._conn.send(MsgType.FEEDBACK, meta, frames)
-            self._feedback.append(r)
-            self._pending_feedback[r] = (meta, frames)
+        self._feedback.resend(self._conn)
 
     def flush(self) -> None:
         """Wait until the daemon has recorded every feedback sent so far.
@@ -623,8 +615,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if self._hello_pid == os.getpid():
             return
         if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
-            self._feedback.clear()
-            self._pending_feedback.clear()
+            self._feedback.drop()
         meta = {
             "job": self.job,
             "rank": self.rank,
