@@ -9,6 +9,13 @@ Each worker keeps ``prefetch`` requests in flight (its credit window: the daemon
 than that). A batch counts as delivered once the training loop has received it: the loop's own
 process acknowledges it (client/loop_acks.py), which is what lets an interrupted epoch resume
 exactly where the loop stopped.
+
+The acknowledgement leaves the process before the loop has the batch but is not waited for:
+without workers it rides on the GET_BATCH that refills the window (an ACK once the pass saw
+END); with workers the main process sends an ACK. Replies are collected later
+(client/unconfirmed.py), so a refusal still raises, at the latest at the end of the pass. A
+SIGKILL in the instant after a yield may leave that batch's acknowledgement unsent in the
+socket's queue: that one batch can come once more (a synchronous OK used to exclude it).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ logger = logging.getLogger(__name__)
 install()  # the main process acknowledges what the training loop received
 
 _MAX_FEEDBACK_IN_FLIGHT = 64
+_MAX_LOOP_ACKS_IN_FLIGHT = 64  # the main process's acknowledgements for DataLoader workers
 
 
 def default_rank_world() -> tuple[int, int]:
@@ -174,6 +182,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._hello_pid = -1
         self._schema: list[FieldSpec] = []
         self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)  # sent, OK not yet read
+        self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)  # the same, when workers fetch
         self.reconnect_s = reconnect_s
         self._progress: dict[str, PassProgress] = {}
         self.delivery = DeliveryStats()
@@ -445,7 +454,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             "acks": [tag.index],
             "loop": True,
         }
-        self._request_retrying(MsgType.ACK, meta)
+        # Sent before the loop has the batch, its OK collected later (client/unconfirmed.py).
+        self._hello_retrying()
+        self._loop_acks.send(self._conn, MsgType.ACK, meta)
+        self._confirm_loop_acks(keep=self._loop_acks.limit)
         return True
 
     def _loop_pass_ended(self) -> None:
@@ -455,25 +467,39 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             self._progress.pop("train")  # not whole (else _delivered moved on): start afresh
         self.flush()
 
-    def _request_retrying(self, type_: MsgType, meta: dict[str, Any]) -> None:
-        """A request answered OK, retried while the daemon restarts (up to ``reconnect_s``)."""
+    def _confirm_loop_acks(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` of the main process's acknowledgements are unconfirmed.
+
+        While the daemon restarts (up to ``reconnect_s``) they go again: all of them on a
+        fresh socket when it went away, one by one while the workers reopen their pass at a
+        daemon that does not know it yet. Only this process knows what the loop received.
+
+        Raises:
+            RemoteError: the daemon refused an acknowledgement.
+            DaemonUnavailableError: the daemon did not come back within ``reconnect_s``.
+        """
         deadline: Deadline | None = None
-        while True:
+
+        def again(e: RemoteError) -> bool:
+            nonlocal deadline
+            if not recoverable(e) or self.reconnect_s <= 0:
+                return False
+            deadline = deadline or Deadline(self.reconnect_s)
+            if deadline.passed():
+                return False
+            time.sleep(0.05)  # the workers are reopening the pass
+            return True
+
+        while len(self._loop_acks) > keep:
             try:
-                self._hello()
-                self._conn.request(type_, meta, expect=MsgType.OK)
-                return
-            except (DaemonUnavailableError, RemoteError) as e:
-                if not recoverable(e) or self.reconnect_s <= 0 or not self._welcomed:
+                self._loop_acks.confirm_oldest(self._conn, again)
+            except DaemonUnavailableError:
+                if self.reconnect_s <= 0 or not self._welcomed:
                     raise
                 deadline = deadline or Deadline(self.reconnect_s)
                 if deadline.passed():
                     raise
-                if isinstance(e, DaemonUnavailableError):
-                    self._hello_pid = -1  # a fresh socket and HELLO on the next try
-                    self._conn.reset()
-                else:
-                    time.sleep(0.05)  # the workers are reopening the pass
+                self._hello_retrying(again=True)  # sends every unconfirmed request again
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the training loop in its passes, for a trainer's checkpoint.
@@ -486,6 +512,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         part, marked as such: what it handed on to the loop.
         """
         in_worker = get_worker_info() is not None and self._acks_in_main
+        if not in_worker and self._hello_pid == os.getpid():
+            self._confirm_loop_acks()  # what it says the loop received, the daemon recorded
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "job": self.job,
@@ -599,13 +627,16 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._hello_pid = -1
         self._hello()
         self._feedback.resend(self._conn)
+        self._loop_acks.resend(self._conn)
 
     def flush(self) -> None:
-        """Wait until the daemon has recorded every feedback sent so far.
+        """Wait until the daemon has recorded every feedback (and acknowledgement) sent so far.
 
         Raises:
-            RemoteError: the daemon refused some feedback (e.g. an id out of range).
+            RemoteError: the daemon refused some feedback (e.g. an id out of range) or an
+                acknowledgement.
         """
+        self._confirm_loop_acks()
         while self._feedback:
             self._wait_feedback()
 
@@ -616,6 +647,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             return
         if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
             self._feedback.drop()
+            self._loop_acks.drop()
         meta = {
             "job": self.job,
             "rank": self.rank,
@@ -681,7 +713,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         return dict(self._conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)
 
     def close(self) -> None:
-        """Flush feedback and close this process's socket (safe to call twice)."""
+        """Flush feedback and acknowledgements, close this process's socket (safe twice)."""
         if self._hello_pid == os.getpid():
             self.flush()
         self._conn.close()
