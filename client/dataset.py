@@ -9,6 +9,13 @@ Each worker keeps ``prefetch`` requests in flight (its credit window: the daemon
 than that). A batch counts as delivered once the training loop has received it: the loop's own
 process acknowledges it (client/loop_acks.py), which is what lets an interrupted epoch resume
 exactly where the loop stopped.
+
+The acknowledgement leaves the process before the loop has the batch but is not waited for:
+without workers it rides on the GET_BATCH that refills the window (an ACK once the pass saw
+END); with workers the main process sends an ACK. Replies are collected later
+(client/unconfirmed.py), so a refusal still raises, at the latest at the end of the pass. A
+SIGKILL in the instant after a yield may leave that batch's acknowledgement unsent in the
+socket's queue: that one batch can come once more (a synchronous OK used to exclude it).
 """
 
 from __future__ import annotations
@@ -51,11 +58,13 @@ from loaderd.client.resume import (
     recoverable,
 )
 from loaderd.client.slot_lifetime import hold_slot
+from loaderd.client.unconfirmed import Unconfirmed
 
 logger = logging.getLogger(__name__)
 install()  # the main process acknowledges what the training loop received
 
 _MAX_FEEDBACK_IN_FLIGHT = 64
+_MAX_LOOP_ACKS_IN_FLIGHT = 64  # the main process's acknowledgements for DataLoader workers
 
 
 def default_rank_world() -> tuple[int, int]:
@@ -172,8 +181,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self.buffers = buffers
         self._hello_pid = -1
         self._schema: list[FieldSpec] = []
-        self._feedback: deque[int] = deque()
-        self._pending_feedback: dict[int, tuple[dict[str, Any], list[Any]]] = {}
+        self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)  # sent, OK not yet read
+        self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)  # the same, when workers fetch
         self.reconnect_s = reconnect_s
         self._progress: dict[str, PassProgress] = {}
         self.delivery = DeliveryStats()
@@ -258,6 +267,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         release: list[int] = []  # shared-memory slots this process no longer reads
         freed: deque[int] = deque()  # filled as the trainer drops batches (slot_lifetime.py)
         in_flight: deque[int] = deque()
+        # The loop's acknowledgements once no GET_BATCH is due to carry them (module doc).
+        acks = Unconfirmed(self.prefetch)
         ended = False
         try:
             while True:
@@ -269,8 +280,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                         in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))
                         release = []
                     if not in_flight:
-                        # The pass is over for this consumer once its losses are recorded:
-                        # the daemon plans a re-scored epoch only after that (jobs.py).
+                        # The pass is over for this consumer once its acknowledgements and
+                        # losses are recorded: the daemon plans a re-scored epoch only after
+                        # that (jobs.py). A refused acknowledgement raises here at the latest.
+                        acks.confirm_all(self._conn)
                         self.flush()
                         meta = {**request, "acks": [], "release": release, "end": True}
                         self._conn.request(MsgType.ACK, meta, expect=MsgType.OK)
@@ -303,20 +316,22 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     if not recoverable(e) or self.reconnect_s <= 0:
                         raise
                     in_flight.clear()
+                    acks.drop()  # the resume says what the loop received
                     release = []  # reopening the pass takes every slot back
                     ended = self._reconnect(base, progress)[0] != epoch
                     continue
-                if acks_here:  # acknowledged before the loop has it: a kill loses nothing
+                if acks_here:  # acknowledged before the loop has it, without waiting
                     progress.delivered.add(index)
-                    try:
-                        meta = {**request, "acks": [index], "loop": True}
-                        self._conn.request(MsgType.ACK, meta, expect=MsgType.OK)
-                    except (DaemonUnavailableError, RemoteError) as e:
-                        if not recoverable(e) or self.reconnect_s <= 0:
-                            raise
-                        in_flight.clear()
-                        release = []
-                        ended = self._reconnect(base, progress)[0] != epoch  # resume has it
+                    while freed:
+                        release.append(freed.popleft())
+                    meta = {**request, "acks": [index], "loop": True, "release": release}
+                    if not ended and len(in_flight) < self.prefetch:
+                        # On the request refilling the window; its BATCH (or END) comes after
+                        # the acknowledgement is written, so waiting for it confirms both.
+                        in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))
+                    else:
+                        acks.send(self._conn, MsgType.ACK, meta)
+                    release = []
                     self._delivered(progress, batches)
                 yield batch
             if acks_here:
@@ -328,6 +343,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             self._phase = "train"
             for rid in in_flight:
                 self._conn.ignore(rid)
+            acks.drop(self._conn)  # a pass left early: a refused acknowledgement is logged
 
     def _transformed(self, batch: TaggedBatch, acks_here: bool) -> Any:
         """``transform(batch)``, in a form that carries the batch's tag to the loop's process.
@@ -438,7 +454,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             "acks": [tag.index],
             "loop": True,
         }
-        self._request_retrying(MsgType.ACK, meta)
+        # Sent before the loop has the batch, its OK collected later (client/unconfirmed.py).
+        self._hello_retrying()
+        self._loop_acks.send(self._conn, MsgType.ACK, meta)
+        self._confirm_loop_acks(keep=self._loop_acks.limit)
         return True
 
     def _loop_pass_ended(self) -> None:
@@ -448,25 +467,39 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             self._progress.pop("train")  # not whole (else _delivered moved on): start afresh
         self.flush()
 
-    def _request_retrying(self, type_: MsgType, meta: dict[str, Any]) -> None:
-        """A request answered OK, retried while the daemon restarts (up to ``reconnect_s``)."""
+    def _confirm_loop_acks(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` of the main process's acknowledgements are unconfirmed.
+
+        While the daemon restarts (up to ``reconnect_s``) they go again: all of them on a
+        fresh socket when it went away, one by one while the workers reopen their pass at a
+        daemon that does not know it yet. Only this process knows what the loop received.
+
+        Raises:
+            RemoteError: the daemon refused an acknowledgement.
+            DaemonUnavailableError: the daemon did not come back within ``reconnect_s``.
+        """
         deadline: Deadline | None = None
-        while True:
+
+        def again(e: RemoteError) -> bool:
+            nonlocal deadline
+            if not recoverable(e) or self.reconnect_s <= 0:
+                return False
+            deadline = deadline or Deadline(self.reconnect_s)
+            if deadline.passed():
+                return False
+            time.sleep(0.05)  # the workers are reopening the pass
+            return True
+
+        while len(self._loop_acks) > keep:
             try:
-                self._hello()
-                self._conn.request(type_, meta, expect=MsgType.OK)
-                return
-            except (DaemonUnavailableError, RemoteError) as e:
-                if not recoverable(e) or self.reconnect_s <= 0 or not self._welcomed:
+                self._loop_acks.confirm_oldest(self._conn, again)
+            except DaemonUnavailableError:
+                if self.reconnect_s <= 0 or not self._welcomed:
                     raise
                 deadline = deadline or Deadline(self.reconnect_s)
                 if deadline.passed():
                     raise
-                if isinstance(e, DaemonUnavailableError):
-                    self._hello_pid = -1  # a fresh socket and HELLO on the next try
-                    self._conn.reset()
-                else:
-                    time.sleep(0.05)  # the workers are reopening the pass
+                self._hello_retrying(again=True)  # sends every unconfirmed request again
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the training loop in its passes, for a trainer's checkpoint.
@@ -479,6 +512,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         part, marked as such: what it handed on to the loop.
         """
         in_worker = get_worker_info() is not None and self._acks_in_main
+        if not in_worker and self._hello_pid == os.getpid():
+            self._confirm_loop_acks()  # what it says the loop received, the daemon recorded
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "job": self.job,
@@ -550,10 +585,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._hello_retrying()
         frames = feedback_frames(_as_numpy(ids, np.int64), _as_numpy(losses, np.float32))
         meta = {"job": self.job, "kind": kind or self._phase}
-        rid = self._conn.send(MsgType.FEEDBACK, meta, frames)
-        self._feedback.append(rid)
-        self._pending_feedback[rid] = (meta, frames)
-        while len(self._feedback) > _MAX_FEEDBACK_IN_FLIGHT:
+        self._feedback.send(self._conn, MsgType.FEEDBACK, meta, frames)
+        while self._feedback.over_limit():
             self._wait_feedback()  # bounded memory, and errors surface
 
     def _wait_feedback(self) -> None:
@@ -562,20 +595,12 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         Feedback is at-least-once: what a crashed daemon had journalled but not confirmed is
         recorded twice, which only adds one more loss sample to the importance history.
         """
-        rid = self._feedback[0]
         try:
-            self._conn.wait(rid)
-        except RemoteError:
-            self._feedback.popleft()  # refused: it will not be sent again
-            self._pending_feedback.pop(rid, None)
-            raise
+            self._feedback.confirm_oldest(self._conn)  # refused: raised, not sent again
         except DaemonUnavailableError:
             if self.reconnect_s <= 0:
                 raise
             self._hello_retrying(again=True)
-            return
-        self._feedback.popleft()
-        self._pending_feedback.pop(rid, None)
 
     def _hello_retrying(self, again: bool = False) -> None:
         """HELLO, reconnecting for up to ``reconnect_s`` while the daemon is away."""
@@ -601,19 +626,17 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._conn.reset()  # replies to the old socket are lost: their requests go again
         self._hello_pid = -1
         self._hello()
-        pending = [self._pending_feedback.pop(r) for r in self._feedback]
-        self._feedback.clear()
-        for meta, frames in pending:
-            r = self._conn.send(MsgType.FEEDBACK, meta, frames)
-            self._feedback.append(r)
-            self._pending_feedback[r] = (meta, frames)
+        self._feedback.resend(self._conn)
+        self._loop_acks.resend(self._conn)
 
     def flush(self) -> None:
-        """Wait until the daemon has recorded every feedback sent so far.
+        """Wait until the daemon has recorded every feedback (and acknowledgement) sent so far.
 
         Raises:
-            RemoteError: the daemon refused some feedback (e.g. an id out of range).
+            RemoteError: the daemon refused some feedback (e.g. an id out of range) or an
+                acknowledgement.
         """
+        self._confirm_loop_acks()
         while self._feedback:
             self._wait_feedback()
 
@@ -623,8 +646,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if self._hello_pid == os.getpid():
             return
         if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
-            self._feedback.clear()
-            self._pending_feedback.clear()
+            self._feedback.drop()
+            self._loop_acks.drop()
         meta = {
             "job": self.job,
             "rank": self.rank,
@@ -690,7 +713,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         return dict(self._conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)
 
     def close(self) -> None:
-        """Flush feedback and close this process's socket (safe to call twice)."""
+        """Flush feedback and acknowledgements, close this process's socket (safe twice)."""
         if self._hello_pid == os.getpid():
             self.flush()
         self._conn.close()

@@ -2,14 +2,16 @@
 
 A batch counts as delivered once the training loop has it, not once some process fetched it.
 Without workers the dataset's own generator runs in the loop's process and acknowledges each
-batch just before it yields it. With ``DataLoader(num_workers=k)`` the generator runs in a
-worker, and a batch it yields may sit in the DataLoader's queues (prefetched, or kept out of
-order) and never reach the loop when it stops early; only the main process knows what the
-loop took. So workers do not acknowledge: each batch carries a tag (its phase, epoch, batch
-index and worker), and the main process acknowledges it through its own connection when the
-DataLoader iterator hands it to the loop. What a worker fetched and the loop never took stays
-with that worker at the daemon and goes back to the rank's queue when the worker opens its
-next pass or dies.
+batch just before it yields it (sent, its reply collected later: client/unconfirmed.py). With
+``DataLoader(num_workers=k)`` the generator runs in a worker, and a batch it yields may sit in
+the DataLoader's queues (prefetched, or kept out of order) and never reach the loop when it
+stops early; only the main process knows what the loop took. So workers do not acknowledge:
+each batch carries a tag (its phase, epoch, batch index and worker), and the main process
+acknowledges it through its own connection when the DataLoader iterator hands it to the loop
+(without waiting: the OKs are collected at most 64 behind, and all at the pass end, in
+``state_dict`` and ``close``). What a worker fetched and the loop never took stays with that
+worker at the daemon and goes back to the rank's queue when the worker opens its next pass or
+dies.
 
 PyTorch offers no hook for "the loop received this batch", so the one method that returns it,
 ``_MultiProcessingDataLoaderIter._next_data``, is wrapped (once, at import; the same for

@@ -50,9 +50,10 @@ class MsgType(IntEnum):
     WELCOME = 4  # {"schema", "num_samples", "job"}
     OPEN_PASS = 5  # {"job", "rank", "worker", "phase"} -> PASS
     PASS = 6  # {"epoch", "phase", "batches"}
-    # GET_BATCH and ACK may carry "release": [index] (shared-memory slots no longer read);
-    # an ACK "loop": true (from the training loop's process: what it received), "end": true
-    # (the pass is over for this consumer, its feedback recorded).
+    # GET_BATCH and ACK may carry "release": [index] (shared-memory slots no longer read) and
+    # "loop": true (its "acks" come from the training loop's process: what it received, not
+    # slots to give back); an ACK "end": true (the pass is over for this consumer, its
+    # feedback recorded). A reply to a request with "acks" goes once they are written.
     GET_BATCH = 7  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> BATCH | END
     BATCH = 8  # {"epoch", "phase", "index", "n", "fields"}; payload frames (module doc)
     END = 9  # {"epoch", "phase"}: this pass has no batch left to hand out

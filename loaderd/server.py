@@ -540,6 +540,9 @@ class Server:
         if got is None:
             if state.complete and self.parked:
                 self._retry_parked()
+            if acks:  # it says "recorded" of them too, as an ACK's OK does
+                self.outbox.hold(identity, end, After.CURSORS)
+                return None
             return end
         index, ids, weights = got
         key = BatchKey(job.spec.name, rank, epoch, phase, index)

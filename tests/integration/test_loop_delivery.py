@@ -6,16 +6,18 @@ come again; batches the loop took never do.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from loaderd.client import LoaderdDataset
+from loaderd.client import LoaderdDataset, RemoteError
 from loaderd.consumers import pid_alive
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon, wait_until
@@ -124,3 +126,25 @@ def test_stateful_dataloader_resumes_at_the_checkpoint_in_a_new_process(
     assert not set(before) & set(after), "nothing received before the checkpoint comes again"
     assert len(after) == len(set(after))
     assert sorted(before + after) == list(range(N_SAMPLES)), "the rest of the epoch, all of it"
+
+
+class RefusedAck(LoaderdDataset):
+    """Acknowledges the loop's third batch with an index the daemon refuses (a bad client)."""
+
+    received = 0
+
+    def _loop_received(self, batch: Any) -> bool:
+        self.received += 1
+        if self.received == 3:
+            batch.loaderd_tag = dataclasses.replace(batch.loaderd_tag, index=-1)
+        return super()._loop_received(batch)
+
+
+def test_a_refused_acknowledgement_raises_by_the_end_of_the_pass(daemon: Daemon) -> None:
+    """The main process does not wait for each OK, yet a refusal is never dropped."""
+    ds = RefusedAck(daemon.address, job="refused", batch_size=BATCH, prefetch=2)
+    with pytest.raises(RemoteError, match="acks"):
+        for _ in loader(ds, 2):
+            pass
+    assert ds.stats()["jobs"]["refused"], "the daemon stays up"
+    ds.close()
