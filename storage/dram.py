@@ -54,6 +54,22 @@ class DramCache:
             self.hits += 1
             return rec
 
+    def get_all(self, sample_ids: list[int]) -> list[Record] | None:
+        """Every record, marked most recently used, under one lock; None if one is missing.
+
+        Nothing is marked or counted when one is missing: the caller reads them another way.
+        """
+        with self._lock:
+            items = self._items
+            got = [items.get(s) for s in sample_ids]
+            if None in got:
+                return None
+            touch = items.move_to_end
+            for s in sample_ids:
+                touch(s)
+            self.hits += len(got)
+            return got  # type: ignore[return-value]  # no None: checked above
+
     def hold(self, record: Record) -> Held:
         """What ``put`` keeps of a record: a view with its pages locked in RAM, else a copy.
 
