@@ -6,10 +6,11 @@ walks the plan from the first batch not yet handed out and asks the kernel to re
 records of the next batches (``SampleStore.advise``: ``posix_fadvise(WILLNEED)`` on their byte
 ranges in data.mdb), skipping what a cache tier holds: a batch held whole is passed over at
 once and takes no room in the window, so a pass served from the cache costs this thread
-nothing per batch, and the server loop wakes it only when room comes free. The kernel queues all those reads at
-once, so the device sees many in flight while the assemblers copy what has arrived; measured
-here, one thread advising 64 MiB ahead reads a cold store at 96 % of 32 threads issuing
-``pread``, against 28 % for 32 threads faulting pages in through LMDB (``docs/design.md``).
+nothing per batch, and the server loop wakes it only when room comes free. The kernel queues
+all those reads at once, so the device sees many in flight while the assemblers copy what has
+arrived; measured here, one thread advising 64 MiB ahead reads a cold store at 96 % of 32
+threads issuing ``pread``, against 28 % for 32 threads faulting pages in through LMDB
+(``docs/design.md``).
 
 The window is counted in bytes, not batches: the pages advised for batches not yet handed
 out (whole pages; records stored close together are one range, the pages between them
