@@ -8,7 +8,7 @@ a copy, unlocked when it leaves the tier.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -61,12 +61,10 @@ class DramCache:
         """
         with self._lock:
             items = self._items
-            got = [items.get(s) for s in sample_ids]
+            got = list(map(items.get, sample_ids))
             if None in got:
                 return None
-            touch = items.move_to_end
-            for s in sample_ids:
-                touch(s)
+            deque(map(items.move_to_end, sample_ids), 0)  # in C: no Python step per record
             self.hits += len(got)
             return got  # type: ignore[return-value]  # no None: checked above
 

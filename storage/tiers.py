@@ -201,17 +201,12 @@ class TierStack:
         """
         keys = ids.tolist()
         with self._lock:
-            lookup = self.policy.lookup
-            for sid in keys:
-                if lookup(sid) != DRAM:
-                    return None
+            if not self.policy.all_in(keys, DRAM):
+                return None
             records = self.dram.get_all(keys)
             if records is None:
                 return None
-            access = self.policy.access
-            moves: list[Move] = []
-            for sid, rec in zip(keys, records, strict=True):
-                moves += access(sid, len(rec), DRAM)
+            moves = self.policy.hit_all(keys, DRAM)
             if moves:  # no policy moves a DRAM hit today; one that does is still obeyed
                 self._apply(moves, dict(zip(keys, records, strict=True)))
         return records
