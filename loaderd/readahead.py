@@ -4,10 +4,13 @@ The daemon knows every pass's order before it starts, so it need not wait for a 
 ask before a record is read. For each open pass (a *stream*: one rank's pass) this thread
 walks the plan from the first batch not yet handed out and asks the kernel to read the
 records of the next batches (``SampleStore.advise``: ``posix_fadvise(WILLNEED)`` on their byte
-ranges in data.mdb), skipping what a cache tier holds. The kernel queues all those reads at
-once, so the device sees many in flight while the assemblers copy what has arrived; measured
-here, one thread advising 64 MiB ahead reads a cold store at 96 % of 32 threads issuing
-``pread``, against 28 % for 32 threads faulting pages in through LMDB (``docs/design.md``).
+ranges in data.mdb), skipping what a cache tier holds: a batch held whole is passed over at
+once and takes no room in the window, so a pass served from the cache costs this thread
+nothing per batch, and the server loop wakes it only when room comes free. The kernel queues
+all those reads at once, so the device sees many in flight while the assemblers copy what has
+arrived; measured here, one thread advising 64 MiB ahead reads a cold store at 96 % of 32
+threads issuing ``pread``, against 28 % for 32 threads faulting pages in through LMDB
+(``docs/design.md``).
 
 The window is counted in bytes, not batches: the pages advised for batches not yet handed
 out (whole pages; records stored close together are one range, the pages between them
@@ -81,6 +84,7 @@ class ReadAhead:
         self.advised_bytes = 0
         self.advised_records = 0
         self.advise_calls = 0  # posix_fadvise calls: records stored close together share one
+        self.cached_batches = 0  # batches passed over: a cache tier held all their records
         self.peak_bytes = 0
         self.busy = False
         self._warned = False
@@ -100,19 +104,28 @@ class ReadAhead:
             if isinstance(key, tuple) and len(key) >= 2:  # the server's (job, rank, ...)
                 self._ranks.setdefault(key[0], set()).add(key[1])
             s = self._streams.get(key)
+            wake = True
             if s is None or s.plan is not plan:
                 if s is not None:
                     self._bytes -= s.bytes
                 s = self._streams[key] = _Stream(plan, head, head)
             elif head != s.head:
                 s.head, s.moved = head, time.monotonic()
+                freed = 0
                 while s.window and s.window[0][0] < head:
-                    self._bytes -= s.window.popleft()[1]
-                s.bytes = sum(n for _, n in s.window)
+                    freed += s.window.popleft()[1]
+                s.bytes -= freed
+                self._bytes -= freed
+                # The thread has something new to do only when room came free (or it was
+                # behind the head); a pass served from the cache wakes it for nothing.
+                wake = freed > 0 or s.issued < head
                 s.issued = max(s.issued, head)
+            else:
+                wake = False
             if head >= plan.num_batches:
                 self._end(key)
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
 
     def set_budget(self, budget_bytes: int) -> None:
         """Change the window's bound while serving (``serve --autotune``).
@@ -140,7 +153,11 @@ class ReadAhead:
     # --- the thread ---------------------------------------------------------------------------
 
     def _next(self) -> tuple[StreamKey, _Stream, int, np.ndarray, int] | None:
-        """The batch to advise next: of the stream least far ahead, if it fits the budget."""
+        """The batch to advise next: of the stream least far ahead, if it fits the budget.
+
+        Returns its records that no cache tier holds, and their bytes; a batch the cache holds
+        whole takes no room in the window (its stream is claimed past it by the caller).
+        """
         now = time.monotonic()
         for key in [k for k, s in self._streams.items() if now - s.moved > self.idle_s]:
             logger.info("read-ahead: pass %s has not moved for %.0f s, parked", key, self.idle_s)
@@ -152,6 +169,9 @@ class ReadAhead:
         s = self._streams[key]
         index = s.issued
         ids = s.plan.batch(index)[0]
+        ids = ids[~self.cached(ids)]
+        if not len(ids):
+            return key, s, index, ids, 0
         need = self.store.advise_bytes(ids)  # whole pages, and the pages a joined range spans
         if need is None:
             need = self._mean * len(ids)
@@ -176,11 +196,13 @@ class ReadAhead:
                 if job is None:
                     self._cond.wait(timeout=1.0)
                     continue
-                key, s, index, ids, need = job
+                key, s, index, todo, need = job
                 s.issued = index + 1  # claimed: the server thread may move the head meanwhile
+                if not len(todo):
+                    self.cached_batches += 1
+                    continue
             try:
-                todo = ids[~self.cached(ids)]
-                done, calls = self.store.advise(todo) if len(todo) else (0, 0)
+                done, calls = self.store.advise(todo)
             except Exception:
                 logger.exception("read-ahead of pass %s failed; going on without it", key)
                 done, calls = 0, 0
@@ -210,6 +232,7 @@ class ReadAhead:
                 "advised_bytes": self.advised_bytes,
                 "advised_records": self.advised_records,
                 "advise_calls": self.advise_calls,
+                "cached_batches": self.cached_batches,
                 "streams": len(self._streams),
                 "busy": self.busy,
                 "indexed": self.indexed,

@@ -706,6 +706,7 @@ class Server:
                 "socket": self.config.socket,
                 "state_dir": str(self.state_dir),
                 "prefetched": self.prefetcher.pending,
+                "assembled_inline": self.prefetcher.inline,
             },
             uptime_s=time.monotonic() - self.started,
         )

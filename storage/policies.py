@@ -81,6 +81,10 @@ class Policy:
         """The tier that holds ``sample_id``, or None."""
         return self._where.get(sample_id)
 
+    def all_in(self, sample_ids: list[int], tier: int) -> bool:
+        """Whether ``tier`` holds every one of ``sample_ids`` (at least one)."""
+        return bool(sample_ids) and set(map(self._where.get, sample_ids)) == {tier}
+
     def __len__(self) -> int:
         return len(self._where)
 
@@ -113,6 +117,23 @@ class Policy:
         if tier is None:
             return self._miss(sample_id, size)
         return self._hit(sample_id, tier)
+
+    def hit_all(self, sample_ids: list[int], tier: int) -> list[Move]:
+        """``access`` of each id, all read from ``tier``, which holds them: one count for all.
+
+        Returns:
+            The moves the hits cause (none unless the policy moves records on a hit).
+        """
+        n = len(sample_ids)
+        for t in range(tier):
+            self.misses[t] += n
+        self.hits[tier] += n
+        if type(self)._hit is Policy._hit:
+            return []
+        moves: list[Move] = []
+        for sid in sample_ids:
+            moves += self._hit(sid, tier)
+        return moves
 
     def place(self, ranking: np.ndarray | None) -> list[Move]:
         """Take a new ranking (ids, most important first); only ``importance`` uses it."""

@@ -192,6 +192,25 @@ class TierStack:
                             unpin()
             yield [got[sid] for sid in keys]
 
+    def resident(self, ids: np.ndarray) -> list[Record] | None:
+        """Records for ids, in order, when DRAM holds every one; else None, nothing counted.
+
+        The hit path without ``read``'s per-record steps for other tiers: one pass under the
+        lock, no store transaction. The records are the tier's own (verified when admitted,
+        immutable while held); a concurrent eviction leaves the caller a valid record.
+        """
+        keys = ids.tolist()
+        with self._lock:
+            if not self.policy.all_in(keys, DRAM):
+                return None
+            records = self.dram.get_all(keys)
+            if records is None:
+                return None
+            moves = self.policy.hit_all(keys, DRAM)
+            if moves:  # no policy moves a DRAM hit today; one that does is still obeyed
+                self._apply(moves, dict(zip(keys, records, strict=True)))
+        return records
+
     def _verify(self, missing: list[int], got: dict[int, Record]) -> None:
         """Check the checksums of records read from the store (once per tier crossing)."""
         where = f"store {self.store.path}"

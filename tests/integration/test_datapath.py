@@ -112,8 +112,11 @@ def test_store_bytes_cold_hit_socket_and_shm(
     ds = LoaderdDataset(served.address, job="exact", batch_size=10)
     assert sorted(check_epoch(ds, samples)) == list(range(N))  # cold: read ahead, then read
     admitted(served.address)  # DRAM admission runs behind the serving path
+    inline = stats(served.address)["daemon"]["assembled_inline"]
     assert sorted(check_epoch(ds, samples)) == list(range(N))  # hits: DRAM (locked views)
     s = ds.stats()
+    # Every batch of the hit epoch (200 KB, all in DRAM) was assembled on the server loop.
+    assert s["daemon"]["assembled_inline"] - inline >= N // 10
     ra = s["readahead"]
     assert ra["advised_records"] > 0 and ra["indexed"]
     assert 0 < ra["advise_calls"] <= ra["advised_records"]  # neighbours share a call
@@ -122,6 +125,7 @@ def test_store_bytes_cold_hit_socket_and_shm(
     ds.close()
     sock = LoaderdDataset(served.address, job="exact-socket", batch_size=7, shm=False)
     assert sorted(check_epoch(sock, samples)) == list(range(N))
+    assert sock.stats()["daemon"]["assembled_inline"] - s["daemon"]["assembled_inline"] >= N // 7
     sock.close()
 
 

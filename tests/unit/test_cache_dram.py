@@ -277,3 +277,22 @@ def test_closing_with_admissions_queued_unlocks_everything(tmp_path: Path) -> No
         stack.get_many(range(lo, lo + 6))
     stack.close()  # the worker stops before the store's map goes away
     assert store.locked_bytes == 0
+
+
+def test_resident_serves_a_batch_only_when_dram_holds_all_of_it(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        truth = store.get_many(range(100))
+    stack = TierStack(SampleStore(store_path), DramCache(1 << 20))
+    try:
+        stack.get_many([1, 2, 3])
+        before = stack.stats()
+        assert stack.resident(np.array([1, 2, 4])) is None  # 4 is in the store only
+        assert stack.stats()["cache"] == before["cache"]  # nothing counted or touched
+        got = stack.resident(np.array([3, 1, 3]))
+        assert got is not None and [bytes(r) for r in got] == [truth[3], truth[1], truth[3]]
+        s = stack.stats()
+        assert s["cache"]["hits"] == before["cache"]["hits"] + 3
+        assert s["cache"]["misses"] == before["cache"]["misses"]
+        assert s["backing"]["reads"] == before["backing"]["reads"]  # no store read
+    finally:
+        stack.close()

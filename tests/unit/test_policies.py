@@ -140,3 +140,17 @@ def test_node_ranking_holds_only_the_node_share() -> None:
     t = policy.targets()
     assert t is not None and np.flatnonzero(t >= 0).tolist() == [0, 3, 4]
     assert t.tolist()[3] == t.tolist()[4] == 0 and not t.flags.writeable
+
+
+@pytest.mark.parametrize("kind", [LruPolicy, ImportancePolicy, StaticPolicy])
+def test_hit_all_counts_and_orders_as_one_access_each(kind: type[Policy]) -> None:
+    one, many = kind([4, 4], 10, 1), kind([4, 4], 10, 1)
+    for p in (one, many):
+        for i in (1, 2, 3, 4, 5):
+            p.access(i, 1)
+    held = [i for i in (1, 2, 3, 4, 5) if one.lookup(i) == 0]
+    assert one.all_in(held, 0) and not one.all_in([*held, 9], 0) and not one.all_in([], 0)
+    moves = [m for i in held[::-1] for m in one.access(i, 1, 0)]
+    assert many.hit_all(held[::-1], 0) == moves
+    assert (many.hits, many.misses) == (one.hits, one.misses)
+    assert [list(h) for h in many.held] == [list(h) for h in one.held]  # LRU order alike
