@@ -44,6 +44,7 @@ class _Stream:
     head: int  # the first batch not yet handed out
     issued: int  # batches [head, issued) are advised (or cached)
     window: deque[tuple[int, int]] = field(default_factory=deque)  # (batch index, bytes)
+    unmapped: deque[tuple[int, np.ndarray]] = field(default_factory=deque)  # advised, not mapped
     bytes: int = 0
     moved: float = field(default_factory=time.monotonic)
 
@@ -81,6 +82,8 @@ class ReadAhead:
         self.advised_bytes = 0
         self.advised_records = 0
         self.advise_calls = 0  # posix_fadvise calls: records stored close together share one
+        self.prefaulted_records = 0
+        self.prefault_calls = 0
         self.peak_bytes = 0
         self.busy = False
         self._warned = False
@@ -108,6 +111,8 @@ class ReadAhead:
                 s.head, s.moved = head, time.monotonic()
                 while s.window and s.window[0][0] < head:
                     self._bytes -= s.window.popleft()[1]
+                while s.unmapped and s.unmapped[0][0] < head:
+                    s.unmapped.popleft()  # handed out: its reader mapped it already
                 s.bytes = sum(n for _, n in s.window)
                 s.issued = max(s.issued, head)
             if head >= plan.num_batches:
@@ -167,17 +172,31 @@ class ReadAhead:
             return None
         return key, s, index, ids, need
 
+    def _next_unmapped(self) -> tuple[StreamKey, np.ndarray] | None:
+        """The advised batch to map next: the one nearest its pass's head, of all streams."""
+        best: tuple[int, StreamKey] | None = None
+        for key, s in self._streams.items():
+            if s.unmapped and (best is None or s.unmapped[0][0] - s.head < best[0]):
+                best = (s.unmapped[0][0] - s.head, key)
+        return None if best is None else (best[1], self._streams[best[1]].unmapped.popleft()[1])
+
     def _run(self) -> None:
         self.indexed = self.store.value_index is not None  # built here, off the serving path
         while not self._stop.is_set():
             with self._cond:
                 job = self._next()
-                self.busy = job is not None
-                if job is None:
+                # Mapping waits for the reads, so it comes after the whole window is advised.
+                mapping = None if job is not None else self._next_unmapped()
+                self.busy = job is not None or mapping is not None
+                if not self.busy:
                     self._cond.wait(timeout=1.0)
                     continue
-                key, s, index, ids, need = job
-                s.issued = index + 1  # claimed: the server thread may move the head meanwhile
+                if job is not None:
+                    key, s, index, ids, need = job
+                    s.issued = index + 1  # claimed: the server thread may move the head meanwhile
+            if mapping is not None:
+                self._map(*mapping)
+                continue
             try:
                 todo = ids[~self.cached(ids)]
                 done, calls = self.store.advise(todo) if len(todo) else (0, 0)
@@ -190,9 +209,23 @@ class ReadAhead:
                     s.bytes += need
                     self._bytes += need
                     self.peak_bytes = max(self.peak_bytes, self._bytes)
+                    if done and self.indexed:
+                        s.unmapped.append((index, todo))
                 self.advised_bytes += done
                 self.advised_records += len(todo)
                 self.advise_calls += calls
+
+    def _map(self, key: StreamKey, ids: np.ndarray) -> None:
+        """Map an advised batch's pages into the daemon (``SampleStore.prefault``)."""
+        try:
+            calls = self.store.prefault(ids)
+        except Exception:
+            logger.exception("prefault of pass %s failed; going on without it", key)
+            calls = 0
+        with self._cond:
+            if calls:
+                self.prefaulted_records += len(ids)
+                self.prefault_calls += calls
 
     # --- the rest -----------------------------------------------------------------------------
 
@@ -210,6 +243,8 @@ class ReadAhead:
                 "advised_bytes": self.advised_bytes,
                 "advised_records": self.advised_records,
                 "advise_calls": self.advise_calls,
+                "prefaulted_records": self.prefaulted_records,
+                "prefault_calls": self.prefault_calls,
                 "streams": len(self._streams),
                 "busy": self.busy,
                 "indexed": self.indexed,
