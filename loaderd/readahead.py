@@ -88,6 +88,7 @@ class ReadAhead:
         self.busy = False
         self._warned = False
         self.indexed = False  # byte ranges known (posix_fadvise), else records are touched
+        self.prefaulting = False  # advised pages are mapped ahead (MADV_POPULATE_READ)
         self._thread: threading.Thread | None = None
         if budget_bytes > 0:
             self._thread = threading.Thread(target=self._run, name="loaderd-readahead", daemon=True)
@@ -181,7 +182,9 @@ class ReadAhead:
         return None if best is None else (best[1], self._streams[best[1]].unmapped.popleft()[1])
 
     def _run(self) -> None:
-        self.indexed = self.store.value_index is not None  # built here, off the serving path
+        indexed = self.store.value_index is not None  # built here, off the serving path
+        self.prefaulting = indexed and self.store.prefaulting
+        self.indexed = indexed
         while not self._stop.is_set():
             with self._cond:
                 job = self._next()
@@ -209,7 +212,7 @@ class ReadAhead:
                     s.bytes += need
                     self._bytes += need
                     self.peak_bytes = max(self.peak_bytes, self._bytes)
-                    if done and self.indexed:
+                    if done and self.prefaulting:
                         s.unmapped.append((index, todo))
                 self.advised_bytes += done
                 self.advised_records += len(todo)
@@ -248,6 +251,7 @@ class ReadAhead:
                 "streams": len(self._streams),
                 "busy": self.busy,
                 "indexed": self.indexed,
+                "prefaulting": self.prefaulting and self.store.prefaulting,
                 "ranks": {job: sorted(r) for job, r in self._ranks.items()},
             }
 

@@ -225,6 +225,12 @@ class SampleStore:
             return 0
         return pages.populate(*index.ranges(np.asarray(ids, np.int64), ADVISE_GAP, _PAGE))
 
+    @property
+    def prefaulting(self) -> bool:
+        """Whether ``prefault`` maps pages (locates the map the first time: off serving)."""
+        pages = self._prefault
+        return pages is not None and pages.enabled
+
     @cached_property
     def _prefault(self) -> Prefault | None:
         """The map's pages, located from one record: its address less its file offset."""
