@@ -221,14 +221,13 @@ class ReadAhead:
     def _map(self, key: StreamKey, ids: np.ndarray) -> None:
         """Map an advised batch's pages into the daemon (``SampleStore.prefault``)."""
         try:
-            calls = self.store.prefault(ids)
+            records, calls = self.store.prefault(ids)
         except Exception:
             logger.exception("prefault of pass %s failed; going on without it", key)
-            calls = 0
+            records, calls = 0, 0
         with self._cond:
-            if calls:
-                self.prefaulted_records += len(ids)
-                self.prefault_calls += calls
+            self.prefaulted_records += records
+            self.prefault_calls += calls
 
     # --- the rest -----------------------------------------------------------------------------
 

@@ -206,24 +206,37 @@ class SampleStore:
         self._advised[ids] = True  # their read need not ask again (``advise_known``)
         return index.nbytes(ids), calls
 
-    def prefault(self, ids: np.ndarray) -> int:
+    def prefault(self, ids: np.ndarray) -> tuple[int, int]:
         """Map the pages ``advise(ids)`` read into this process, waiting for their reads.
 
         The same ranges as ``advise`` (so it holds no page more), mapped with
         ``MADV_POPULATE_READ`` (``prefault.py``): the reader then finds them mapped instead of
-        faulting each page in. Call it off the serving path, after ``advise``: it waits for
-        pages not yet read. Does nothing without a value index or where the kernel refuses.
+        faulting each page in. Records mapped once are not asked for again: their pages stay
+        mapped (unless reclaimed: then their reader faults them in), and a call for pages
+        mapped already costs as much as faulting in a small record. Call it off the serving
+        path, after ``advise``: it waits for pages not yet read. Does nothing without a value
+        index or where the kernel refuses.
 
         Returns:
-            The system calls made.
+            The records asked for, and the system calls made.
         """
         index: ValueIndex | None = self.__dict__.get("value_index")
         if index is None or not len(ids):
-            return 0
+            return 0, 0
         pages = self._prefault
         if pages is None or not pages.enabled:
-            return 0
-        return pages.populate(*index.ranges(np.asarray(ids, np.int64), ADVISE_GAP, _PAGE))
+            return 0, 0
+        want = np.asarray(ids, np.int64)
+        want = want[~self._mapped[want]]
+        self._mapped[want] = True  # without a lock: a lost update costs a call, never bytes
+        if not len(want):
+            return 0, 0
+        return len(want), pages.populate(*index.ranges(want, ADVISE_GAP, _PAGE))
+
+    @cached_property
+    def _mapped(self) -> np.ndarray:
+        """Per sample: ``prefault`` mapped it."""
+        return np.zeros(self.num_samples, bool)
 
     @property
     def prefaulting(self) -> bool:

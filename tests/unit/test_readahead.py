@@ -223,7 +223,7 @@ def test_prefault_maps_exactly_the_pages_of_the_advised_records(tmp_path: Path) 
         order = np.random.default_rng(5).permutation(N)
         first, ids = order[:8], order[8:40]
         store.advise(first)
-        assert store.prefault(first) > 0  # locates the map: one record read through it
+        assert store.prefault(first)[0] == len(first)  # locates the map: reads record 0
         address, length = map_of(path / "data.mdb")
         evict(path)  # what stays cached is what this process has mapped
         before = mapped_pages(address, length)
@@ -233,8 +233,9 @@ def test_prefault_maps_exactly_the_pages_of_the_advised_records(tmp_path: Path) 
         assert (want & ~before).sum() > 10  # pages to map: the test can fail
         store.advise(ids)
         assert (mapped_pages(address, length) == before).all()  # advice reads, maps nothing
-        assert store.prefault(ids) > 0
+        assert store.prefault(ids)[0] == len(ids)
         after = mapped_pages(address, length)
+        assert store.prefault(ids) == (0, 0)  # mapped already: not asked for again
         assert after[want].all()  # every page of every record
         assert not (after & ~before & ~want).any()  # and nothing else
         with store.views(ids) as views:  # verified: the store's bytes
