@@ -5,9 +5,10 @@ daemon's map of data.mdb: the first touch of each page through the map is still 
 paid by the assembler that reads the record (measured here: reading a 100 KB record whose
 pages are cached but not mapped costs ~29 us in LMDB's get, against ~8 us once mapped).
 ``madvise(MADV_POPULATE_READ)`` (Linux 5.14) maps a range's pages in one system call, which
-costs about a third of faulting them one by one, and can run on the read-ahead's thread, off
-the serving path. For pages not yet read it waits for their I/O, so it is called only after
-the ranges were advised. The call goes through ctypes, which releases the GIL while it runs.
+costs less than half of faulting them one by one (~9 us against ~21 us a 100 KB record),
+and can run on the read-ahead's thread, off the serving path. For pages not yet read it waits
+for their I/O, so it is called only after the ranges were advised. The call goes through
+ctypes, which releases the GIL while it runs.
 
 Where the kernel does not know the advice (``EINVAL``) prefaulting is switched off, logged
 once, and the records are faulted in by their readers as before.
