@@ -47,6 +47,7 @@ class _Stream:
     head: int  # the first batch not yet handed out
     issued: int  # batches [head, issued) are advised (or cached)
     window: deque[tuple[int, int]] = field(default_factory=deque)  # (batch index, bytes)
+    unmapped: deque[tuple[int, np.ndarray]] = field(default_factory=deque)  # advised, not mapped
     bytes: int = 0
     moved: float = field(default_factory=time.monotonic)
 
@@ -85,10 +86,13 @@ class ReadAhead:
         self.advised_records = 0
         self.advise_calls = 0  # posix_fadvise calls: records stored close together share one
         self.cached_batches = 0  # batches passed over: a cache tier held all their records
+        self.prefaulted_records = 0
+        self.prefault_calls = 0
         self.peak_bytes = 0
         self.busy = False
         self._warned = False
         self.indexed = False  # byte ranges known (posix_fadvise), else records are touched
+        self.prefaulting = False  # advised pages are mapped ahead (MADV_POPULATE_READ)
         self._thread: threading.Thread | None = None
         if budget_bytes > 0:
             self._thread = threading.Thread(target=self._run, name="loaderd-readahead", daemon=True)
@@ -116,6 +120,8 @@ class ReadAhead:
                     freed += s.window.popleft()[1]
                 s.bytes -= freed
                 self._bytes -= freed
+                while s.unmapped and s.unmapped[0][0] < head:
+                    s.unmapped.popleft()  # handed out: its reader mapped it already
                 # The thread has something new to do only when room came free (or it was
                 # behind the head); a pass served from the cache wakes it for nothing.
                 wake = freed > 0 or s.issued < head
@@ -187,20 +193,36 @@ class ReadAhead:
             return None
         return key, s, index, ids, need
 
+    def _next_unmapped(self) -> tuple[StreamKey, np.ndarray] | None:
+        """The advised batch to map next: the one nearest its pass's head, of all streams."""
+        best: tuple[int, StreamKey] | None = None
+        for key, s in self._streams.items():
+            if s.unmapped and (best is None or s.unmapped[0][0] - s.head < best[0]):
+                best = (s.unmapped[0][0] - s.head, key)
+        return None if best is None else (best[1], self._streams[best[1]].unmapped.popleft()[1])
+
     def _run(self) -> None:
-        self.indexed = self.store.value_index is not None  # built here, off the serving path
+        indexed = self.store.value_index is not None  # built here, off the serving path
+        self.prefaulting = indexed and self.store.prefaulting
+        self.indexed = indexed
         while not self._stop.is_set():
             with self._cond:
                 job = self._next()
-                self.busy = job is not None
-                if job is None:
+                # Mapping waits for the reads, so it comes after the whole window is advised.
+                mapping = None if job is not None else self._next_unmapped()
+                self.busy = job is not None or mapping is not None
+                if not self.busy:
                     self._cond.wait(timeout=1.0)
                     continue
-                key, s, index, todo, need = job
-                s.issued = index + 1  # claimed: the server thread may move the head meanwhile
-                if not len(todo):
-                    self.cached_batches += 1
-                    continue
+                if job is not None:
+                    key, s, index, todo, need = job
+                    s.issued = index + 1  # claimed: the server thread may move the head meanwhile
+                    if not len(todo):
+                        self.cached_batches += 1
+                        continue
+            if mapping is not None:
+                self._map(*mapping)
+                continue
             try:
                 done, calls = self.store.advise(todo)
             except Exception:
@@ -212,9 +234,22 @@ class ReadAhead:
                     s.bytes += need
                     self._bytes += need
                     self.peak_bytes = max(self.peak_bytes, self._bytes)
+                    if done and self.prefaulting:
+                        s.unmapped.append((index, todo))
                 self.advised_bytes += done
                 self.advised_records += len(todo)
                 self.advise_calls += calls
+
+    def _map(self, key: StreamKey, ids: np.ndarray) -> None:
+        """Map an advised batch's pages into the daemon (``SampleStore.prefault``)."""
+        try:
+            records, calls = self.store.prefault(ids)
+        except Exception:
+            logger.exception("prefault of pass %s failed; going on without it", key)
+            records, calls = 0, 0
+        with self._cond:
+            self.prefaulted_records += records
+            self.prefault_calls += calls
 
     # --- the rest -----------------------------------------------------------------------------
 
@@ -233,9 +268,12 @@ class ReadAhead:
                 "advised_records": self.advised_records,
                 "advise_calls": self.advise_calls,
                 "cached_batches": self.cached_batches,
+                "prefaulted_records": self.prefaulted_records,
+                "prefault_calls": self.prefault_calls,
                 "streams": len(self._streams),
                 "busy": self.busy,
                 "indexed": self.indexed,
+                "prefaulting": self.prefaulting and self.store.prefaulting,
                 "ranks": {job: sorted(r) for job, r in self._ranks.items()},
             }
 

@@ -40,6 +40,7 @@ import xxhash
 
 from loaderd.storage.errors import NotAStoreError, ResumeError, StoreFullError
 from loaderd.storage.pinning import PageLocks
+from loaderd.storage.prefault import Prefault, address_of
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.safe_files import fsync_dir
 from loaderd.storage.value_index import ValueIndex, build_value_index
@@ -204,6 +205,58 @@ class SampleStore:
         calls = self._advise_ranges(index, ids)
         self._advised[ids] = True  # their read need not ask again (``advise_known``)
         return index.nbytes(ids), calls
+
+    def prefault(self, ids: np.ndarray) -> tuple[int, int]:
+        """Map the pages ``advise(ids)`` read into this process, waiting for their reads.
+
+        The same ranges as ``advise`` (so it holds no page more), mapped with
+        ``MADV_POPULATE_READ`` (``prefault.py``): the reader then finds them mapped instead of
+        faulting each page in. Records mapped once are not asked for again: their pages stay
+        mapped (unless reclaimed: then their reader faults them in), and a call for pages
+        mapped already costs as much as faulting in a small record. Call it off the serving
+        path, after ``advise``: it waits for pages not yet read. Does nothing without a value
+        index or where the kernel refuses.
+
+        Returns:
+            The records asked for, and the system calls made.
+        """
+        index: ValueIndex | None = self.__dict__.get("value_index")
+        if index is None or not len(ids):
+            return 0, 0
+        pages = self._prefault
+        if pages is None or not pages.enabled:
+            return 0, 0
+        want = np.asarray(ids, np.int64)
+        want = want[~self._mapped[want]]
+        self._mapped[want] = True  # without a lock: a lost update costs a call, never bytes
+        if not len(want):
+            return 0, 0
+        return len(want), pages.populate(*index.ranges(want, ADVISE_GAP, _PAGE))
+
+    @cached_property
+    def _mapped(self) -> np.ndarray:
+        """Per sample: ``prefault`` mapped it."""
+        return np.zeros(self.num_samples, bool)
+
+    @property
+    def prefaulting(self) -> bool:
+        """Whether ``prefault`` maps pages (locates the map the first time: off serving)."""
+        pages = self._prefault
+        return pages is not None and pages.enabled
+
+    @cached_property
+    def _prefault(self) -> Prefault | None:
+        """The map's pages, located from one record: its address less its file offset."""
+        index = self.value_index
+        if index is None or not self.num_samples:
+            return None
+        with self._env.begin(db=self._samples, buffers=True) as txn:
+            rec = txn.get(_KEY.pack(0))
+            base = None if rec is None else address_of(rec) - int(index.offsets[0])
+        if base is None or base % _PAGE:  # a map starts on a page: the index is off
+            logger.info("store %s: record 0 is not where the index says; no prefault", self.path)
+            return None
+        return Prefault(base, int(self._env.info()["map_size"]))
 
     def advise_bytes(self, ids: np.ndarray) -> int | None:
         """The bytes ``advise(ids)`` has the page cache read and hold (None: no index).

@@ -71,6 +71,20 @@ def resident_bytes(db: Path) -> int:
     return resident * mmap.PAGESIZE
 
 
+def mapped_bytes(d: Daemon, db: Path) -> int:
+    """Bytes of data.mdb mapped into the daemon (its map's Rss in ``/proc/<pid>/smaps``)."""
+    assert d.proc is not None
+    rss, ours = 0, False
+    with open(f"/proc/{d.proc.pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                ours = line.rstrip().endswith(str((db / "data.mdb").resolve()))
+            elif ours and line.startswith("Rss:"):
+                rss += int(head[1]) << 10
+    return rss
+
+
 def check_epoch(ds: LoaderdDataset, samples: list[dict[str, Any]]) -> list[int]:
     """Iterate one pass, comparing every sample with what was stored; returns the ids."""
     seen: list[int] = []
@@ -157,6 +171,7 @@ def test_readahead_budget_and_a_trainer_that_stops(
     with Daemon(db=db, state_dir=tmp_path / "st", extra=extra) as d:
         wait_until(lambda: stats(d.address)["readahead"]["indexed"], what="the value index")
         opened = resident_bytes(db)  # what opening the store read (meta and tree pages)
+        mapped = mapped_bytes(d, db)  # and what it mapped
         ds = LoaderdDataset(d.address, job="stop", batch_size=2, prefetch=1)
         it = iter(ds)
         for _ in range(3):
@@ -178,10 +193,14 @@ def test_readahead_budget_and_a_trainer_that_stops(
         # Records take whole pages: up to 4 KiB more each than their bytes.
         slack = (handed + budget) // (IMAGE // 4096)
         assert resident_bytes(db) - opened <= handed + budget + slack < total // 2
+        # The window is mapped into the daemon ahead of its reader, within the same bound.
+        assert ra["prefaulted_records"] > 0 and ra["prefault_calls"] > 0
+        assert 0 < mapped_bytes(d, db) - mapped <= handed + budget + slack
         # Nothing runs for a pass nobody reads: a second later the same bytes are advised.
         wait_until(lambda: stats(d.address)["uptime_s"] > s["uptime_s"] + 1.0, what="a second")
         again = stats(d.address)["readahead"]
         assert again["advised_bytes"] == ra["advised_bytes"] and not again["busy"]
+        assert again["prefaulted_records"] == ra["prefaulted_records"]
         it.close()
         ds.close()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 from pathlib import Path
 
@@ -119,10 +121,23 @@ def test_readahead_window_holds_its_budget_and_follows_the_pass(store_path: Path
         )[0]  # fmt: skip
         ra = ReadAhead(store, lambda ids: np.zeros(len(ids), bool), budget)
         try:
+            store.prefault(np.arange(1))  # locates the map (record 0's pages)
+            address, length = map_of(store_path / "data.mdb")
+            evict(store_path)  # what stays cached is what this process has mapped
+            opened = mapped_pages(address, length)
+            if (cached_pages(address, length) & ~opened).any():
+                pytest.skip("the page cache cannot be emptied here")
             ra.follow(("j", 0, 0, "train"), plan, 0)
             wait_until(lambda: not ra.busy and ra.stats()["window_bytes"] > 0, what="a window")
             first = ra.stats()
             assert 0 < first["window_bytes"] <= budget and first["peak_window_bytes"] <= budget
+            # The window is read and mapped ahead of its reader, and nothing beyond it.
+            assert first["prefaulted_records"] == first["advised_records"] > 0
+            mapped = mapped_pages(address, length) & ~opened
+            assert not (mapped & ~cached_pages(address, length)).any()  # maps, never reads
+            # The kernel may read a range's neighbouring page with it (whole folios).
+            slack = first["advise_calls"] * mmap.PAGESIZE
+            assert 0 < mapped.sum() * mmap.PAGESIZE <= first["window_bytes"] + slack
             # The pass does not move: nothing more is read, however long we look.
             assert ra.stats()["advised_bytes"] == first["advised_bytes"]
             ra.follow(("j", 0, 0, "train"), plan, 3)  # three batches handed out
@@ -156,6 +171,85 @@ def test_cached_samples_are_not_read_ahead(store_path: Path) -> None:
             assert ra.stats()["advised_records"] == 0 and ra.stats()["window_bytes"] == 0
         finally:
             ra.close()
+
+
+def map_of(path: Path) -> tuple[int, int]:
+    """Address and length of this process's one map of ``path`` (``/proc/self/maps``)."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() == str(path.resolve()):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                found.append((lo, hi - lo))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def mapped_pages(address: int, length: int) -> np.ndarray:
+    """Per page of the range: is it mapped in this process (``/proc/self/pagemap``)."""
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // mmap.PAGESIZE * 8)
+        raw = f.read(length // mmap.PAGESIZE * 8)
+    return (np.frombuffer(raw, np.uint64) >> np.uint64(63)).astype(bool)
+
+
+def cached_pages(address: int, length: int) -> np.ndarray:
+    """Per page of the range: is it in the page cache (``mincore``)."""
+    vec = (ctypes.c_ubyte * (length // mmap.PAGESIZE))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) == 0
+    return (np.frombuffer(vec, np.uint8) & 1).astype(bool)
+
+
+def pages_of(store: SampleStore, ids: np.ndarray, pages: int) -> np.ndarray:
+    """Per page of data.mdb: does ``advise(ids)`` cover it."""
+    assert store.value_index is not None
+    out = np.zeros(pages, bool)
+    starts, lengths = store.value_index.ranges(ids, ADVISE_GAP, mmap.PAGESIZE)
+    for off, n in zip(starts.tolist(), lengths.tolist(), strict=True):
+        out[off // mmap.PAGESIZE : (off + n) // mmap.PAGESIZE] = True
+    return out
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path / "data.mdb", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_prefault_maps_exactly_the_pages_of_the_advised_records(tmp_path: Path) -> None:
+    path = make_store(tmp_path / "s.db")
+    with SampleStore(path) as store:
+        order = np.random.default_rng(5).permutation(N)
+        first, ids = order[:8], order[8:40]
+        store.advise(first)
+        assert store.prefault(first)[0] == len(first)  # locates the map: reads record 0
+        address, length = map_of(path / "data.mdb")
+        evict(path)  # what stays cached is what this process has mapped
+        before = mapped_pages(address, length)
+        if (cached_pages(address, length) & ~before).any():
+            pytest.skip("the page cache cannot be emptied here")
+        want = pages_of(store, ids, len(before))
+        assert (want & ~before).sum() > 10  # pages to map: the test can fail
+        store.advise(ids)
+        assert (mapped_pages(address, length) == before).all()  # advice reads, maps nothing
+        assert store.prefault(ids)[0] == len(ids)
+        after = mapped_pages(address, length)
+        assert store.prefault(ids) == (0, 0)  # mapped already: not asked for again
+        assert after[want].all()  # every page of every record
+        assert not (after & ~before & ~want).any()  # and nothing else
+        with store.views(ids) as views:  # verified: the store's bytes
+            fd = os.open(path / "data.mdb", os.O_RDONLY)
+            try:
+                index = store.value_index
+                assert index is not None
+                for sid, view in zip(ids.tolist(), views, strict=True):
+                    assert bytes(view) == os.pread(fd, view.nbytes, int(index.offsets[sid]))
+            finally:
+                os.close(fd)
 
 
 def test_dram_holds_large_store_records_as_locked_views(store_path: Path) -> None:
