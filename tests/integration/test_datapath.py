@@ -194,8 +194,11 @@ def test_readahead_budget_and_a_trainer_that_stops(
         slack = (handed + budget) // (IMAGE // 4096)
         assert resident_bytes(db) - opened <= handed + budget + slack < total // 2
         # The window is mapped into the daemon ahead of its reader, within the same bound.
-        assert ra["prefaulted_records"] > 0 and ra["prefault_calls"] > 0
-        assert 0 < mapped_bytes(d, db) - mapped <= handed + budget + slack
+        # Only advised records are mapped, and only pages the page cache holds (bounded above);
+        # a reader's fault may also map cached neighbours of its record (fault-around), so
+        # the mapping is bounded by what is resident rather than by the records alone.
+        assert 0 < ra["prefaulted_records"] <= ra["advised_records"] and ra["prefault_calls"] > 0
+        assert 0 < mapped_bytes(d, db) - mapped <= resident_bytes(db)
         # Nothing runs for a pass nobody reads: a second later the same bytes are advised.
         wait_until(lambda: stats(d.address)["uptime_s"] > s["uptime_s"] + 1.0, what="a second")
         again = stats(d.address)["readahead"]
