@@ -333,6 +333,8 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
             vs_bound=round(sps / bound, 2) if bound else None,
             bound=other,
             met=met,
+            # The DataLoader goal over the row's physical bound: above 1, no loader can meet it.
+            goal_over_bound=round(vs_dl * best_dl / bound, 2) if bound else None,
             profile=[[round(s, 3), f] for s, f in daemon],
             trainer_profile=[[round(s, 3), f] for s, f in trainer],
             **more,
@@ -431,6 +433,11 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
                 )
         out.append("")
         for r in sub:
+            if (r.get("goal_over_bound") or 0) > 1:
+                out.append(
+                    f"{r['config']}: {GOALS[r['goal']][0]:g}x the best DataLoader is "
+                    f"{r['goal_over_bound']:g}x the {r['bound']} bound: out of any loader's reach."
+                )
             if r.get("cores"):
                 c = r["cores"]
                 out.append(
