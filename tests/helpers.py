@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -21,6 +22,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def evict(db: Path) -> None:
+    """Drop a store's ``data.mdb`` from the page cache (``posix_fadvise(DONTNEED)``)."""
+    fd = os.open(db / "data.mdb", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:

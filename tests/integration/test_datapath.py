@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import StoreWriter
-from tests.helpers import Daemon, wait_until
+from tests.helpers import Daemon, evict, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,14 +45,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
     with StoreWriter(path, schema) as w:
         w.append(codec.encode(s) for s in samples)
     return path, samples
-
-
-def evict(db: Path) -> None:
-    fd = os.open(db / "data.mdb", os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def resident_bytes(db: Path) -> int:

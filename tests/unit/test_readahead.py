@@ -17,7 +17,7 @@ from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, SampleStore, StoreWriter
 from loaderd.storage.tiers import TierStack
 from loaderd.storage.value_index import build_value_index
-from tests.helpers import wait_until
+from tests.helpers import evict, wait_until
 
 N = 200
 SIZES = (3_000, 40_000)  # a value sharing pages, and one with pages of its own
@@ -210,14 +210,6 @@ def pages_of(store: SampleStore, ids: np.ndarray, pages: int) -> np.ndarray:
     for off, n in zip(starts.tolist(), lengths.tolist(), strict=True):
         out[off // mmap.PAGESIZE : (off + n) // mmap.PAGESIZE] = True
     return out
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path / "data.mdb", os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def test_prefault_maps_exactly_the_pages_of_the_advised_records(tmp_path: Path) -> None:
