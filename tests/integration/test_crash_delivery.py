@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -108,16 +109,22 @@ def final_cursor(d: Daemon) -> dict[str, object]:
         return conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta["jobs"]["crashy"]
 
 
-def test_kill_9_at_20_random_points(daemon: Daemon) -> None:
-    rng = random.Random(1234)
-    total = EPOCHS * N_SAMPLES // BATCH
-    kill_at = sorted(rng.sample(range(1, total - 2), 20))
+def restarter(daemon: Daemon) -> Callable[[int], None]:
+    """Kill -9 the daemon and start it again (the n-th time: same thing)."""
 
     def kill(_: int) -> None:
         daemon.kill()
         daemon.start()
 
-    check_exactly_once(run_trainers(daemon, kill_at, kill))
+    return kill
+
+
+def test_kill_9_at_20_random_points(daemon: Daemon) -> None:
+    rng = random.Random(1234)
+    total = EPOCHS * N_SAMPLES // BATCH
+    kill_at = sorted(rng.sample(range(1, total - 2), 20))
+
+    check_exactly_once(run_trainers(daemon, kill_at, restarter(daemon)))
     job = final_cursor(daemon)
     assert all(r["inflight"] == 0 and r["acked"] == r["batches"] for r in job["ranks"])
 
@@ -128,11 +135,7 @@ def test_kill_9_without_workers(daemon: Daemon) -> None:
     total = EPOCHS * N_SAMPLES // BATCH
     kill_at = sorted(rng.sample(range(1, total - 2), 10))
 
-    def kill(_: int) -> None:
-        daemon.kill()
-        daemon.start()
-
-    check_exactly_once(run_trainers(daemon, kill_at, kill, workers=0))
+    check_exactly_once(run_trainers(daemon, kill_at, restarter(daemon), workers=0))
     job = final_cursor(daemon)
     assert all(r["inflight"] == 0 and r["acked"] == r["batches"] for r in job["ranks"])
 
