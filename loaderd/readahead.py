@@ -223,11 +223,7 @@ class ReadAhead:
             if mapping is not None:
                 self._map(*mapping)
                 continue
-            try:
-                done, calls = self.store.advise(todo)
-            except Exception:
-                logger.exception("read-ahead of pass %s failed; going on without it", key)
-                done, calls = 0, 0
+            done, calls = _attempt("read-ahead", key, self.store.advise, todo)
             with self._cond:
                 if self._streams.get(key) is s and index >= s.head:
                     s.window.append((index, need))
@@ -242,11 +238,7 @@ class ReadAhead:
 
     def _map(self, key: StreamKey, ids: np.ndarray) -> None:
         """Map an advised batch's pages into the daemon (``SampleStore.prefault``)."""
-        try:
-            records, calls = self.store.prefault(ids)
-        except Exception:
-            logger.exception("prefault of pass %s failed; going on without it", key)
-            records, calls = 0, 0
+        records, calls = _attempt("prefault", key, self.store.prefault, ids)
         with self._cond:
             self.prefaulted_records += records
             self.prefault_calls += calls
@@ -284,3 +276,14 @@ class ReadAhead:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+def _attempt(
+    what: str, key: StreamKey, call: Callable[[np.ndarray], tuple[int, int]], ids: np.ndarray
+) -> tuple[int, int]:
+    """``call(ids)``; a failure is logged and counts as nothing done: serving goes on."""
+    try:
+        return call(ids)
+    except Exception:
+        logger.exception("%s of pass %s failed; going on without it", what, key)
+        return 0, 0
