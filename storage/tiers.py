@@ -201,7 +201,7 @@ class TierStack:
         """
         keys = ids.tolist()
         with self._lock:
-            if not self.policy.all_in(keys, DRAM):
+            if not self.policy.all_in(ids, DRAM):
                 return None
             records = self.dram.get_all(keys)
             if records is None:
@@ -225,8 +225,7 @@ class TierStack:
     def cached(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` a tier holds now (a read-ahead skips them): bool per id."""
         with self._lock:
-            lookup = self.policy.lookup
-            return np.fromiter((lookup(s) is not None for s in ids.tolist()), bool, len(ids))
+            return self.policy.lookup_many(ids) >= 0
 
     def _in_arena(self, sid: int) -> bool:
         return sid in self._pending or (self.arena is not None and sid in self.arena)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaderd.storage.arena import Arena
 from loaderd.storage.dram import DramCache
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import SampleStore, StoreWriter
@@ -294,5 +295,51 @@ def test_resident_serves_a_batch_only_when_dram_holds_all_of_it(store_path: Path
         assert s["cache"]["hits"] == before["cache"]["hits"] + 3
         assert s["cache"]["misses"] == before["cache"]["misses"]
         assert s["backing"]["reads"] == before["backing"]["reads"]  # no store read
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("policy", ["importance", "lru", "static"])
+def test_batch_answers_follow_the_policy_across_tiers(
+    store_path: Path, tmp_path: Path, policy: str
+) -> None:
+    # ``cached`` and ``resident`` answer for a whole batch at once: after admissions,
+    # evictions, promotions and demotions between DRAM and the arena, and forgets, they say
+    # what the per-id bookkeeping says, and ``resident`` serves exactly DRAM's records.
+    with SampleStore(store_path) as store:
+        truth = store.get_many(range(100))
+        one = len(truth[50])
+    rng = np.random.default_rng(3)
+    arena = Arena(tmp_path / "arena", 256 << 10, bytes(range(16)))
+    stack = TierStack(SampleStore(store_path), DramCache(one * 8), arena, policy=policy)
+    ids = np.arange(100)
+    try:
+        for step in range(40):
+            if step % 10 == 5:
+                stack.place(rng.permutation(100)[:40])
+            elif step % 10 == 9:
+                for sid in rng.permutation(100)[:3].tolist():
+                    with stack._lock:
+                        stack.policy.forget(sid)
+            else:
+                stack.get_many(rng.permutation(100)[:12])
+            stack.flush()
+            where = [stack.policy.lookup(i) for i in range(100)]
+            assert stack.cached(ids).tolist() == [t is not None for t in where]
+            in_dram = [i for i in range(100) if where[i] == 0]
+            assert stack.dram.stats()["items"] >= len(in_dram)
+            for batch in (
+                in_dram,
+                in_dram[::-1][:5],
+                [*in_dram[:3], *(i for i in range(100) if where[i] != 0)][:6],
+            ):
+                got = stack.resident(np.array(batch, np.int64))
+                if batch and all(where[i] == 0 for i in batch):
+                    assert got is not None and [bytes(r) for r in got] == [truth[i] for i in batch]
+                else:
+                    assert got is None
+        moved = stack.policy.stats(0)
+        if policy != "static":
+            assert moved["evictions"] + moved["demotions"] + moved["promotions"] > 0
     finally:
         stack.close()
