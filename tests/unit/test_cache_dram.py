@@ -343,3 +343,16 @@ def test_batch_answers_follow_the_policy_across_tiers(
             assert moved["evictions"] + moved["demotions"] + moved["promotions"] > 0
     finally:
         stack.close()
+
+
+def test_get_all_takes_every_record_or_none_and_marks_them_in_order() -> None:
+    c = DramCache(50)
+    for i in range(5):
+        c.put(i, rec(i))
+    assert c.get_all([]) == [] and c.hits == 0
+    assert c.get_all([2, 9]) is None and c.get_all([9]) is None and c.hits == 0
+    assert c.get_all([0]) == [rec(0)] and c.hits == 1
+    assert c.get_all([3, 1, 3]) == [rec(3), rec(1), rec(3)] and c.hits == 4
+    assert list(c._items) == [2, 4, 0, 1, 3]  # as one get per id: 3's last use is the latest
+    c.put(5, rec(5))
+    assert 2 not in c and c.evictions == 1
