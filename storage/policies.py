@@ -56,6 +56,10 @@ class Policy:
     """
 
     name: ClassVar[str] = ""
+    # Whether the DRAM tier may briefly hold more than the policy counts, so that the tier's
+    # own bound (by its LRU order) decides what leaves: the moves of one batch are applied
+    # departures first, and LRU can admit and demote the same record within a batch.
+    overfills_dram: ClassVar[bool] = False
 
     def __init__(self, capacities: Sequence[int], num_samples: int, record_bytes: int) -> None:
         if any(c < 0 for c in capacities):
@@ -233,6 +237,7 @@ class LruPolicy(Policy):
     """Exclusive two-level LRU: misses enter DRAM, victims fall to the arena, then out."""
 
     name = "lru"
+    overfills_dram = True
 
     def hit_all(self, sample_ids: list[int], tier: int) -> list[Move]:
         """As ``Policy.hit_all``; DRAM hits only refresh recency, done in one C-level pass."""

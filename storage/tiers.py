@@ -75,16 +75,22 @@ class TierStack:
         admit_queue_bytes: int = 0,
     ) -> None:
         self.store = store
-        self.dram = dram if isinstance(dram, DramCache) else DramCache(dram, pin=store.pin)
         self.arena = arena
         self.record_bytes = max(1, store.total_bytes // max(store.num_samples, 1))
-        caps = [self.dram.capacity_bytes]
+        caps = [dram.capacity_bytes if isinstance(dram, DramCache) else dram]
         if arena is not None:
             # The policy counts payload bytes; the log also holds each record's header.
             per = self.record_bytes / record_extent(self.record_bytes)
             caps.append(int(arena.capacity_bytes * ARENA_FILL * per))
         self.policy: Policy = make_policy(
             policy, caps, max(store.num_samples, 1), self.record_bytes
+        )
+        # Where the policy keeps DRAM within its capacity, the tier's own LRU order would
+        # decide nothing: its hits skip keeping one (``recency``).
+        self.dram = (
+            dram
+            if isinstance(dram, DramCache)
+            else DramCache(dram, pin=store.pin, recency=self.policy.overfills_dram)
         )
         self._lock = threading.Lock()
         self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
