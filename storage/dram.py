@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 Record = bytes | memoryview
@@ -27,11 +28,17 @@ class DramCache:
         capacity_bytes: the most record bytes held at once; 0 disables the tier.
         pin: locks a view's pages in RAM and returns the unlock, or None (then the record
             is copied); without it every view is copied.
+        recency: whether a hit marks the record most recently used (an LRU). False where an
+            owner decides what the tier holds and keeps it within the capacity (the tier
+            stack's policy): hits then skip that step, the costly part of serving a batch
+            from a large tier, and the bound, a safety net there, evicts the oldest admitted.
     """
 
     name = "dram"
 
-    def __init__(self, capacity_bytes: int, pin: Pin | None = None) -> None:
+    def __init__(
+        self, capacity_bytes: int, pin: Pin | None = None, *, recency: bool = True
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"`capacity_bytes` must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -39,6 +46,7 @@ class DramCache:
         self.hits = self.misses = self.evictions = 0
         self.pinned = 0  # records held as locked views of the store's pages
         self._pin = pin
+        self.recency = recency
         self._items: OrderedDict[int, Record] = OrderedDict()
         self._unpin: dict[int, Callable[[], None]] = {}
         self._lock = threading.Lock()
@@ -50,7 +58,8 @@ class DramCache:
             if rec is None:
                 self.misses += 1
                 return None
-            self._items.move_to_end(sample_id)
+            if self.recency:
+                self._items.move_to_end(sample_id)
             self.hits += 1
             return rec
 
@@ -58,15 +67,23 @@ class DramCache:
         """Every record, marked most recently used, under one lock; None if one is missing.
 
         Nothing is marked or counted when one is missing: the caller reads them another way.
+        Without ``recency``, nothing is marked.
         """
+        fetch: Callable[[OrderedDict[int, Record]], tuple[Record, ...]] = (
+            itemgetter(*sample_ids)
+            if len(sample_ids) > 1  # of one key, ``itemgetter`` returns the value, no tuple
+            else lambda items: tuple(items[s] for s in sample_ids)
+        )
         with self._lock:
             items = self._items
-            got = list(map(items.get, sample_ids))
-            if None in got:
+            try:
+                got: list[Record] = list(fetch(items))  # in C: no Python step per record
+            except KeyError:
                 return None
-            deque(map(items.move_to_end, sample_ids), 0)  # in C: no Python step per record
+            if self.recency:
+                deque(map(items.move_to_end, sample_ids), 0)  # in C too, in the batch's order
             self.hits += len(got)
-            return got  # type: ignore[return-value]  # no None: checked above
+            return got
 
     def hold(self, record: Record) -> Held:
         """What ``put`` keeps of a record: a view with its pages locked in RAM, else a copy.

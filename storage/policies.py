@@ -25,7 +25,7 @@ through these very classes, and the daemon's tier stack applies the same decisio
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import ClassVar, Final
 
@@ -56,6 +56,10 @@ class Policy:
     """
 
     name: ClassVar[str] = ""
+    # Whether the DRAM tier may briefly hold more than the policy counts, so that the tier's
+    # own bound (by its LRU order) decides what leaves: the moves of one batch are applied
+    # departures first, and LRU can admit and demote the same record within a batch.
+    overfills_dram: ClassVar[bool] = False
 
     def __init__(self, capacities: Sequence[int], num_samples: int, record_bytes: int) -> None:
         if any(c < 0 for c in capacities):
@@ -74,6 +78,10 @@ class Policy:
         self.promotions = [0] * n
         self.demotions = [0] * n
         self._where: dict[int, int] = {}
+        # The same placement as an array (tier per id, -1: none), for whole-batch queries in
+        # one numpy step; it mirrors ``_where`` for ids 0 .. N-1 (``_add`` and ``_remove``
+        # keep both), and a batch with any other id is answered from ``_where``.
+        self._tier = np.full(num_samples, -1, np.int8)
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -81,9 +89,20 @@ class Policy:
         """The tier that holds ``sample_id``, or None."""
         return self._where.get(sample_id)
 
-    def all_in(self, sample_ids: list[int], tier: int) -> bool:
+    def lookup_many(self, sample_ids: np.ndarray) -> np.ndarray:
+        """The tier that holds each of ``sample_ids`` (-1: none), int8, in one step."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if ids.size == 0 or (ids.min() >= 0 and ids.max() < len(self._tier)):
+            return self._tier[ids]
+        get = self._where.get
+        return np.fromiter((-1 if (t := get(i)) is None else t for i in ids.tolist()), np.int8)
+
+    def all_in(self, sample_ids: Sequence[int] | np.ndarray, tier: int) -> bool:
         """Whether ``tier`` holds every one of ``sample_ids`` (at least one)."""
-        return bool(sample_ids) and set(map(self._where.get, sample_ids)) == {tier}
+        if len(sample_ids) == 0:
+            return False
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        return bool((self.lookup_many(ids) == tier).all())
 
     def __len__(self) -> int:
         return len(self._where)
@@ -173,10 +192,14 @@ class Policy:
         self.held[tier][sample_id] = size
         self.used[tier] += size
         self._where[sample_id] = tier
+        if 0 <= sample_id < len(self._tier):
+            self._tier[sample_id] = tier
 
     def _remove(self, sample_id: int) -> int:
         tier = self._where.pop(sample_id)
         self.used[tier] -= self.held[tier].pop(sample_id)
+        if 0 <= sample_id < len(self._tier):
+            self._tier[sample_id] = -1
         return tier
 
     def _move(self, sample_id: int, to: int) -> Move:
@@ -214,6 +237,15 @@ class LruPolicy(Policy):
     """Exclusive two-level LRU: misses enter DRAM, victims fall to the arena, then out."""
 
     name = "lru"
+    overfills_dram = True
+
+    def hit_all(self, sample_ids: list[int], tier: int) -> list[Move]:
+        """As ``Policy.hit_all``; DRAM hits only refresh recency, done in one C-level pass."""
+        if tier != DRAM:
+            return super().hit_all(sample_ids, tier)
+        self.hits[DRAM] += len(sample_ids)
+        deque(map(self.held[DRAM].move_to_end, sample_ids), 0)  # what ``_hit`` does, in order
+        return []
 
     def _hit(self, sample_id: int, tier: int) -> list[Move]:
         if tier == DRAM or self.capacities[DRAM] < self.held[tier][sample_id]:

@@ -75,16 +75,22 @@ class TierStack:
         admit_queue_bytes: int = 0,
     ) -> None:
         self.store = store
-        self.dram = dram if isinstance(dram, DramCache) else DramCache(dram, pin=store.pin)
         self.arena = arena
         self.record_bytes = max(1, store.total_bytes // max(store.num_samples, 1))
-        caps = [self.dram.capacity_bytes]
+        caps = [dram.capacity_bytes if isinstance(dram, DramCache) else dram]
         if arena is not None:
             # The policy counts payload bytes; the log also holds each record's header.
             per = self.record_bytes / record_extent(self.record_bytes)
             caps.append(int(arena.capacity_bytes * ARENA_FILL * per))
         self.policy: Policy = make_policy(
             policy, caps, max(store.num_samples, 1), self.record_bytes
+        )
+        # Where the policy keeps DRAM within its capacity, the tier's own LRU order would
+        # decide nothing: its hits skip keeping one (``recency``).
+        self.dram = (
+            dram
+            if isinstance(dram, DramCache)
+            else DramCache(dram, pin=store.pin, recency=self.policy.overfills_dram)
         )
         self._lock = threading.Lock()
         self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
@@ -201,7 +207,7 @@ class TierStack:
         """
         keys = ids.tolist()
         with self._lock:
-            if not self.policy.all_in(keys, DRAM):
+            if not self.policy.all_in(ids, DRAM):
                 return None
             records = self.dram.get_all(keys)
             if records is None:
@@ -225,8 +231,7 @@ class TierStack:
     def cached(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` a tier holds now (a read-ahead skips them): bool per id."""
         with self._lock:
-            lookup = self.policy.lookup
-            return np.fromiter((lookup(s) is not None for s in ids.tolist()), bool, len(ids))
+            return self.policy.lookup_many(ids) >= 0
 
     def _in_arena(self, sid: int) -> bool:
         return sid in self._pending or (self.arena is not None and sid in self.arena)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaderd.storage.arena import Arena
 from loaderd.storage.dram import DramCache
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import SampleStore, StoreWriter
@@ -296,3 +297,76 @@ def test_resident_serves_a_batch_only_when_dram_holds_all_of_it(store_path: Path
         assert s["backing"]["reads"] == before["backing"]["reads"]  # no store read
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize("policy", ["importance", "lru", "static"])
+def test_batch_answers_follow_the_policy_across_tiers(
+    store_path: Path, tmp_path: Path, policy: str
+) -> None:
+    # ``cached`` and ``resident`` answer for a whole batch at once: after admissions,
+    # evictions, promotions and demotions between DRAM and the arena, and forgets, they say
+    # what the per-id bookkeeping says, and ``resident`` serves exactly DRAM's records.
+    with SampleStore(store_path) as store:
+        truth = store.get_many(range(100))
+        one = len(truth[50])
+    rng = np.random.default_rng(3)
+    arena = Arena(tmp_path / "arena", 256 << 10, bytes(range(16)))
+    stack = TierStack(SampleStore(store_path), one * 8, arena, policy=policy)
+    ids = np.arange(100)
+    try:
+        for step in range(40):
+            if step % 10 == 5:
+                stack.place(rng.permutation(100)[:40])
+            elif step % 10 == 9:
+                with stack._lock:  # as when the arena loses records (its ring, a bad checksum)
+                    for sid in rng.permutation(100)[:3].tolist():
+                        if stack.policy.lookup(sid) == 1:
+                            stack.policy.forget(sid)
+            else:
+                stack.get_many(rng.permutation(100)[:12])
+            stack.flush()
+            where = [stack.policy.lookup(i) for i in range(100)]
+            assert stack.cached(ids).tolist() == [t is not None for t in where]
+            in_dram = [i for i in range(100) if where[i] == 0]
+            assert stack.dram.stats()["items"] >= len(in_dram)
+            for batch in (
+                in_dram,
+                in_dram[::-1][:5],
+                [*in_dram[:3], *(i for i in range(100) if where[i] != 0)][:6],
+            ):
+                got = stack.resident(np.array(batch, np.int64))
+                if batch and all(where[i] == 0 for i in batch):
+                    assert got is not None and [bytes(r) for r in got] == [truth[i] for i in batch]
+                else:
+                    assert got is None
+        # Where the policy keeps DRAM within its capacity, the tier's own bound never has to
+        # evict, so the LRU order the tier then does not keep (``recency``) decides nothing.
+        assert stack.dram.recency == stack.policy.overfills_dram == (policy == "lru")
+        assert stack.dram.evictions == 0 or stack.dram.recency
+        moved = stack.policy.stats(0)
+        if policy != "static":
+            assert moved["evictions"] + moved["demotions"] + moved["promotions"] > 0
+    finally:
+        stack.close()
+
+
+def test_get_all_takes_every_record_or_none_and_marks_them_in_order() -> None:
+    c = DramCache(50)
+    for i in range(5):
+        c.put(i, rec(i))
+    assert c.get_all([]) == [] and c.hits == 0
+    assert c.get_all([2, 9]) is None and c.get_all([9]) is None and c.hits == 0
+    assert c.get_all([0]) == [rec(0)] and c.hits == 1
+    assert c.get_all([3, 1, 3]) == [rec(3), rec(1), rec(3)] and c.hits == 4
+    assert list(c._items) == [2, 4, 0, 1, 3]  # as one get per id: 3's last use is the latest
+    c.put(5, rec(5))
+    assert 2 not in c and c.evictions == 1
+
+
+def test_without_recency_hits_leave_the_order_and_the_oldest_admitted_goes_first() -> None:
+    c = DramCache(30, recency=False)
+    for i in range(3):
+        c.put(i, rec(i))
+    assert c.get(0) == rec(0) and c.get_all([1, 0]) == [rec(1), rec(0)] and c.hits == 3
+    c.put(3, rec(3))
+    assert 0 not in c and list(c._items) == [1, 2, 3]

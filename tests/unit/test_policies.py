@@ -154,3 +154,60 @@ def test_hit_all_counts_and_orders_as_one_access_each(kind: type[Policy]) -> Non
     assert many.hit_all(held[::-1], 0) == moves
     assert (many.hits, many.misses) == (one.hits, one.misses)
     assert [list(h) for h in many.held] == [list(h) for h in one.held]  # LRU order alike
+
+
+def agrees(p: Policy, n: int) -> None:
+    """The whole-batch answers say what the per-id bookkeeping says, for every id."""
+    ids = np.arange(n)
+    per_id = [p.lookup(i) for i in range(n)]
+    assert p.lookup_many(ids).tolist() == [-1 if t is None else t for t in per_id]
+    assert [t for t, h in enumerate(p.held) for _ in h] == sorted(
+        t for t in per_id if t is not None
+    )
+    for tier in range(len(p.capacities)):
+        mine = [i for i in range(n) if per_id[i] == tier]
+        assert p.all_in(mine, tier) == p.all_in(np.array(mine, np.int64), tier) == bool(mine)
+        for other in (i for i in range(n) if per_id[i] != tier):
+            assert not p.all_in([*mine, other], tier)
+
+
+@pytest.mark.parametrize("name", ["importance", "lru", "static"])
+def test_batch_lookups_agree_with_the_policy_through_every_move(name: str) -> None:
+    # Admissions, evictions, promotions and demotions (re-rankings), forgets and adoptions:
+    # after each step the array answers exactly what the policy's own state does.
+    n = 60
+    rng = np.random.default_rng(7)
+    p = make_policy(name, [6, 9], n, 1)
+    kinds: set[str] = set()
+    for step in range(400):
+        r = rng.random()
+        if r < 0.06:
+            kinds.update(k for k, _, _ in p.place(rng.permutation(n)[: int(rng.integers(5, n))]))
+        elif r < 0.1:
+            p.forget(int(rng.integers(n)))
+            kinds.add("forget")
+        elif r < 0.13:
+            p.adopt(int(rng.integers(n)), 1, int(rng.integers(2)))
+        elif r < 0.3:
+            batch = [i for i in rng.permutation(n)[:5].tolist() if p.lookup(i) == 0]
+            if p.all_in(batch, 0):
+                kinds.update(k for k, _, _ in p.hit_all(batch, 0))
+        else:
+            kinds.update(k for k, _, _ in p.access(int(rng.integers(n)), 1))
+        if step % 7 == 0:
+            agrees(p, n)
+    agrees(p, n)
+    assert {"admit", "forget"} <= kinds
+    if name != "static":
+        assert {"drop", "promote", "demote"} <= kinds
+
+
+def test_batch_lookups_answer_ids_outside_the_dataset() -> None:
+    p = StaticPolicy([4, 4], 10, 1)
+    p.access(3, 1)
+    assert p.adopt(12, 1, 1) and p.adopt(-2, 1, 0)  # an arena from another store: kept
+    assert p.lookup_many(np.array([3, 12, -2, 5, 40])).tolist() == [0, 1, 0, -1, -1]
+    assert p.all_in([3, -2], 0) and p.all_in([12], 1) and not p.all_in([3, 40], 0)
+    p.forget(12)
+    assert p.lookup_many(np.array([12, 3])).tolist() == [-1, 0]
+    assert p.lookup_many(np.array([], np.int64)).tolist() == []
