@@ -232,11 +232,24 @@ class BatchArrays:
 # --- encoding -------------------------------------------------------------------------------
 
 
+# One encoder for every message: ``json.dumps`` with options builds a new one per call.
+_META_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode(msg: Message) -> list[Buffer]:
     """Encode a message into frames (without the ROUTER identity)."""
-    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.type), msg.flags, msg.request_id)
-    meta = json.dumps(msg.meta, separators=(",", ":")).encode()
-    return [header, meta, *msg.frames]
+    header = encode_header(msg.type, msg.request_id, msg.flags)
+    return [header, encode_meta(msg.meta), *msg.frames]
+
+
+def encode_header(type_: MsgType, request_id: int, flags: int = 0) -> bytes:
+    """The header frame of a message (``encode`` without building a ``Message``)."""
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, type_, flags, request_id)
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    """The meta frame of a message: compact UTF-8 JSON."""
+    return _META_ENCODER.encode(meta).encode()
 
 
 def error_message(request_id: int, code: ErrorCode, message: str) -> Message:
