@@ -57,7 +57,6 @@ from loaderd.client.resume import (
     merge_worker_states,
     recoverable,
 )
-from loaderd.client.slot_lifetime import hold_slot
 from loaderd.client.unconfirmed import Unconfirmed
 
 logger = logging.getLogger(__name__)
@@ -299,11 +298,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                         release.append(index)
                         continue
                     progress.seen.add(index)
-                    if self._shm.resolve(msg):  # through shared memory: frames view a slot
-                        msg.frames = hold_slot(msg.frames, functools.partial(freed.append, index))
-                        shared = True
-                    else:
-                        shared = False
+                    # Through shared memory the frames view a slot, kept until dropped.
+                    shared = self._shm.resolve(msg, functools.partial(freed.append, index))
                     batch = TaggedBatch(self._to_torch(decode_batch(msg, self._schema)))
                     if shared and info is not None:  # pickled by a feeder thread later: copy
                         batch = TaggedBatch(to_shared_tensors(batch))
