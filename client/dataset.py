@@ -300,7 +300,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     progress.seen.add(index)
                     # Through shared memory the frames view a slot, kept until dropped.
                     shared = self._shm.resolve(msg, functools.partial(freed.append, index))
-                    batch = TaggedBatch(self._to_torch(decode_batch(msg, self._schema)))
+                    batch = self._to_torch(decode_batch(msg, self._schema), TaggedBatch())
                     if shared and info is not None:  # pickled by a feeder thread later: copy
                         batch = TaggedBatch(to_shared_tensors(batch))
                     del msg  # its frames would keep the slot
@@ -557,8 +557,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             for phase, p in state["progress"].items()
         }
 
-    def _to_torch(self, arrays: BatchArrays) -> dict[str, Any]:
-        return to_torch(arrays, self._schema, self.lists)
+    def _to_torch(self, arrays: BatchArrays, into: TaggedBatch) -> TaggedBatch:
+        to_torch(arrays, self._schema, self.lists, into)
+        return into
 
     @property
     def fields(self) -> dict[str, FieldSpec]:
