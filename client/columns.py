@@ -39,7 +39,10 @@ def check_lists(lists: str) -> str:
 
 
 def to_torch(
-    arrays: BatchArrays, schema: Sequence[FieldSpec], lists: str = "offsets"
+    arrays: BatchArrays,
+    schema: Sequence[FieldSpec],
+    lists: str = "offsets",
+    into: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A decoded batch as a dict of tensors (and lists, for bytes and strings).
 
@@ -47,30 +50,52 @@ def to_torch(
         arrays: the decoded batch; its arrays may view received frames or a ring slot.
         schema: the daemon's fields, in wire order.
         lists: ``"offsets"`` or ``"padded"``: how a list field is delivered (module doc).
+        into: the (empty) dict to fill, e.g. one of a dict subclass; a new dict by default.
     """
+    batch: dict[str, Any] = {} if into is None else into
+    if _writable(arrays):  # a ring slot: torch has nothing to warn about
+        _fill(batch, arrays, schema, lists)
+        return batch
     with warnings.catch_warnings():
         # The arrays view the received frames, which numpy marks read-only.
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        batch: dict[str, Any] = {
-            "id": torch.from_numpy(arrays.ids),
-            "weight": torch.from_numpy(arrays.weights),
-        }
-        for spec in schema:
-            col = arrays.columns[spec.name]
-            if not isinstance(col, VarColumn):
-                batch[spec.name] = torch.from_numpy(col)
-            elif spec.kind == "list":
-                values, offsets = list_values(col, spec)
-                if lists == "padded":
-                    padded, lengths = pad(values, offsets)
-                    batch[spec.name], batch[spec.name + ".lengths"] = padded, lengths
-                else:
-                    batch[spec.name] = torch.from_numpy(values)
-                    batch[spec.name + ".offsets"] = torch.from_numpy(offsets)
-            else:
-                items = [bytes(col.item(i)) for i in range(len(col))]
-                batch[spec.name] = [b.decode() for b in items] if spec.dtype == "string" else items
+        _fill(batch, arrays, schema, lists)
     return batch
+
+
+def _writable(arrays: BatchArrays) -> bool:
+    """Whether every array of the batch is writable (``torch.from_numpy`` warns otherwise)."""
+    if not (arrays.ids.flags.writeable and arrays.weights.flags.writeable):
+        return False
+    for col in arrays.columns.values():
+        if isinstance(col, VarColumn):
+            if col.data.readonly or not col.offsets.flags.writeable:
+                return False
+        elif not col.flags.writeable:
+            return False
+    return True
+
+
+def _fill(
+    batch: dict[str, Any], arrays: BatchArrays, schema: Sequence[FieldSpec], lists: str
+) -> None:
+    batch["id"] = torch.from_numpy(arrays.ids)
+    batch["weight"] = torch.from_numpy(arrays.weights)
+    for spec in schema:
+        col = arrays.columns[spec.name]
+        if not isinstance(col, VarColumn):
+            batch[spec.name] = torch.from_numpy(col)
+        elif spec.kind == "list":
+            values, offsets = list_values(col, spec)
+            if lists == "padded":
+                padded, lengths = pad(values, offsets)
+                batch[spec.name], batch[spec.name + ".lengths"] = padded, lengths
+            else:
+                batch[spec.name] = torch.from_numpy(values)
+                batch[spec.name + ".offsets"] = torch.from_numpy(offsets)
+        else:
+            items = [bytes(col.item(i)) for i in range(len(col))]
+            batch[spec.name] = [b.decode() for b in items] if spec.dtype == "string" else items
 
 
 def list_values(col: VarColumn, spec: FieldSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import zmq
 
 from loaderd.client.address import check_address, unreachable_hint
+from loaderd.client.current_pid import current_pid
 from loaderd.client.curve import ClientKeys
 from loaderd.client.errors import DaemonUnavailableError, ProtocolError, RemoteError
 from loaderd.client.protocol import (
@@ -29,10 +29,15 @@ from loaderd.client.protocol import (
     check_reply,
     decode,
     decode_error,
-    encode,
+    encode_header,
+    encode_meta,
 )
 
 logger = logging.getLogger(__name__)
+
+# Plain ints: pyzmq's flag enums cost an enum operation per frame.
+_SNDMORE = int(zmq.SNDMORE)
+_POLLIN = int(zmq.POLLIN)
 
 
 class Connection:
@@ -65,9 +70,9 @@ class Connection:
         self._last_waiting = ""
 
     def _socket(self) -> zmq.Socket[bytes]:
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             # After fork the parent's context belongs to the parent: never touch it here.
-            self._ctx, self._sock, self._pid = None, None, os.getpid()
+            self._ctx, self._sock, self._pid = None, None, current_pid()
             self._stash.clear()
             self._ignored.clear()
         if self._sock is None:
@@ -89,8 +94,17 @@ class Connection:
     def send(self, type_: MsgType, meta: dict[str, Any], frames: Sequence[Buffer] = ()) -> int:
         """Send a request without waiting; returns its request id."""
         request_id = next(self._ids)
-        msg = Message(type_, request_id, meta, [memoryview(f) for f in frames])
-        self._socket().send_multipart(encode(msg), copy=False)
+        sock = self._socket()
+        # Frame by frame: the header and meta are small (copied by zmq either way) and
+        # send_multipart re-checks every part on each call.
+        sock.send(encode_header(type_, request_id), _SNDMORE)
+        if frames:
+            sock.send(encode_meta(meta), _SNDMORE)
+            for frame in frames[:-1]:
+                sock.send(frame, _SNDMORE, copy=False)
+            sock.send(frames[-1], copy=False)
+        else:
+            sock.send(encode_meta(meta))
         return request_id
 
     def wait(self, request_id: int, timeout_s: float | None = None) -> Message:
@@ -106,13 +120,13 @@ class Connection:
         sock = self._socket()
         while reply is None:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            if left <= 0 or not zmq.zmq_poll([(sock, _POLLIN)], int(left * 1000) + 1):
                 self.reset()
                 raise DaemonUnavailableError(
                     f"no reply from loaderd at {self.address} within {timeout:g} s "
                     f"({unreachable_hint(self.address, self._keys is not None)})"
                 )
-            msg = decode(sock.recv_multipart(copy=False))
+            msg = decode(_recv_frames(sock))
             if msg.type == MsgType.WAITING:  # parked, not lost: say why and wait on
                 self._note_waiting(msg)
                 if msg.request_id == request_id:  # the next note comes within again_s
@@ -169,7 +183,7 @@ class Connection:
 
     def reset(self) -> None:
         """Drop the socket (replies in flight are lost); the next request opens a new one."""
-        if self._sock is not None and self._pid == os.getpid():
+        if self._sock is not None and self._pid == current_pid():
             self._sock.close(linger=0)
             assert self._ctx is not None
             self._ctx.term()
@@ -196,3 +210,13 @@ class Connection:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["address"], state["timeout_s"], state.get("curve_dir"))  # type: ignore[misc]
+
+
+def _recv_frames(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
+    """One whole multipart message, without copying its frames (the caller polled first)."""
+    frame = sock.recv(copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames

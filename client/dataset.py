@@ -57,7 +57,6 @@ from loaderd.client.resume import (
     merge_worker_states,
     recoverable,
 )
-from loaderd.client.slot_lifetime import hold_slot
 from loaderd.client.unconfirmed import Unconfirmed
 
 logger = logging.getLogger(__name__)
@@ -299,12 +298,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                         release.append(index)
                         continue
                     progress.seen.add(index)
-                    if self._shm.resolve(msg):  # through shared memory: frames view a slot
-                        msg.frames = hold_slot(msg.frames, functools.partial(freed.append, index))
-                        shared = True
-                    else:
-                        shared = False
-                    batch = TaggedBatch(self._to_torch(decode_batch(msg, self._schema)))
+                    # Through shared memory the frames view a slot, kept until dropped.
+                    shared = self._shm.resolve(msg, functools.partial(freed.append, index))
+                    batch = self._to_torch(decode_batch(msg, self._schema), TaggedBatch())
                     if shared and info is not None:  # pickled by a feeder thread later: copy
                         batch = TaggedBatch(to_shared_tensors(batch))
                     del msg  # its frames would keep the slot
@@ -561,8 +557,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             for phase, p in state["progress"].items()
         }
 
-    def _to_torch(self, arrays: BatchArrays) -> dict[str, Any]:
-        return to_torch(arrays, self._schema, self.lists)
+    def _to_torch(self, arrays: BatchArrays, into: TaggedBatch) -> TaggedBatch:
+        to_torch(arrays, self._schema, self.lists, into)
+        return into
 
     @property
     def fields(self) -> dict[str, FieldSpec]:

@@ -12,15 +12,16 @@ tensors kept longer must be copied on purpose with ``shm.copy_batch``.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from loaderd.client.current_pid import current_pid
 from loaderd.client.device import DeviceBuffering, resolve_cuda_device
 from loaderd.client.protocol import Message
-from loaderd.client.shm import ShmError, ShmRing, SlotDescriptor
+from loaderd.client.shm import ShmError, ShmRing, SlotDescriptor, is_uint
+from loaderd.client.slot_lifetime import hold_slot
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ class ShmReceiver:
         self.wanted = wanted
         self._rings: dict[str, ShmRing] = {}  # a daemon has one ring per slot size
         self._pid = -1
+        # The last descriptor's ring, its "frames" as sent and as checked: the next batches
+        # of a pass have the same layout, so only their slot and generation need checking.
+        self._known: tuple[ShmRing, Any, tuple[tuple[int, int], ...]] | None = None
 
     def accept(self, welcome: dict[str, Any]) -> bool:
         """Attach to the ring a WELCOME names; False when it cannot (use the socket then)."""
@@ -54,37 +58,68 @@ class ShmReceiver:
         return True
 
     def _attach(self, name: str) -> ShmRing:
-        if self._pid != os.getpid():
-            self._rings, self._pid = {}, os.getpid()  # a forked child maps its own
+        if self._pid != current_pid():
+            self._rings, self._pid = {}, current_pid()  # a forked child maps its own
+            self._known = None
         ring = self._rings.get(name)
         if ring is None:
             if len(self._rings) >= _MAX_RINGS:  # rings of daemons that restarted since
                 self._rings.pop(next(iter(self._rings))).close()
+                self._known = None
             ring = self._rings[name] = ShmRing.attach(name)
         return ring
 
-    def resolve(self, msg: Message) -> bool:
+    def resolve(self, msg: Message, on_free: Callable[[], None] | None = None) -> bool:
         """Point a BATCH's frames at its slot when it came through shared memory.
 
+        Args:
+            msg: a BATCH.
+            on_free: called once nothing views the batch's frames any more (the slot can go
+                back, ``slot_lifetime``); None: the frames are plain views of the slot.
+
         Returns:
-            Whether the batch lies in shared memory (valid until the next request).
+            Whether the batch lies in shared memory.
 
         Raises:
             ProtocolError: the descriptor is malformed or names a slot lent again.
             ShmError: the ring it names cannot be mapped.
         """
-        desc = msg.meta.get("shm")
-        if desc is not None:
-            d = SlotDescriptor.from_json(desc)
-            msg.frames = self._attach(d.ring).frames(d)
-        return desc is not None
+        obj = msg.meta.get("shm")
+        if obj is None:
+            return False
+        known = self._known
+        if (
+            known is not None
+            and self._pid == current_pid()
+            and isinstance(obj, dict)
+            and obj.get("ring") == known[0].name
+            and obj.get("frames") == known[1]
+            and is_uint(obj.get("slot"))
+            and is_uint(obj.get("gen"))
+        ):
+            # The layout of a ring already checked (numbers equal to checked ones name the
+            # same bytes): what is left is whether the slot still holds this batch.
+            ring, spans, slot, gen = known[0], known[2], obj["slot"], obj["gen"]
+        else:
+            d = SlotDescriptor.from_json(obj)
+            ring = self._attach(d.ring)
+            ring.check_layout(d)
+            self._known = (ring, obj["frames"], d.frames)
+            spans, slot, gen = d.frames, d.slot, d.generation
+        view = ring.lent_slot(slot, gen)
+        if on_free is None:
+            msg.frames = [view[off : off + n] for off, n in spans]
+        else:
+            msg.frames = hold_slot(view, spans, on_free)
+        return True
 
     def close(self) -> None:
         """Unmap (views still held keep the mapping until they go); safe to call twice."""
-        if self._pid == os.getpid():
+        if self._pid == current_pid():
             for ring in self._rings.values():
                 ring.close()
         self._rings = {}
+        self._known = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"wanted": self.wanted}

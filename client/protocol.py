@@ -232,11 +232,24 @@ class BatchArrays:
 # --- encoding -------------------------------------------------------------------------------
 
 
+# One encoder for every message: ``json.dumps`` with options builds a new one per call.
+_META_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode(msg: Message) -> list[Buffer]:
     """Encode a message into frames (without the ROUTER identity)."""
-    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.type), msg.flags, msg.request_id)
-    meta = json.dumps(msg.meta, separators=(",", ":")).encode()
-    return [header, meta, *msg.frames]
+    header = encode_header(msg.type, msg.request_id, msg.flags)
+    return [header, encode_meta(msg.meta), *msg.frames]
+
+
+def encode_header(type_: MsgType, request_id: int, flags: int = 0) -> bytes:
+    """The header frame of a message (``encode`` without building a ``Message``)."""
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, type_, flags, request_id)
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    """The meta frame of a message: compact UTF-8 JSON."""
+    return _META_ENCODER.encode(meta).encode()
 
 
 def error_message(request_id: int, code: ErrorCode, message: str) -> Message:
@@ -423,27 +436,48 @@ def decode_batch(msg: Message, schema: Sequence[FieldSpec]) -> BatchArrays:
     n = msg.meta.get("n")
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ProtocolError(f"BATCH: field 'n' must be a non-negative int, got {n!r}")
-    want = 2 + sum(2 if s.variable else 1 for s in schema)
+    want, plan = _batch_plan(schema)
     if len(msg.frames) != want:
         raise ProtocolError(f"BATCH of this schema needs {want} frames, got {len(msg.frames)}")
     frames = iter(msg.frames)
-    ids = _array(next(frames), np.dtype(np.int64), (n,), "ids")
-    weights = _array(next(frames), np.dtype(np.float32), (n,), "weights")
+    ids = _array(next(frames), _INT64, (n,), "ids")
+    weights = _array(next(frames), _FLOAT32, (n,), "weights")
     columns: dict[str, Column] = {}
-    for spec in schema:
-        if spec.variable:
-            offsets = _array(next(frames), np.dtype(np.int64), (n + 1,), spec.name)
+    for name, variable, dtype, shape in plan:
+        if variable:
+            offsets = _array(next(frames), dtype, (n + 1,), name)
             data = next(frames)
             if n and (
                 offsets[0] != 0 or offsets[-1] != data.nbytes or np.any(np.diff(offsets) < 0)
             ):
-                raise ProtocolError(f"BATCH: offsets of field {spec.name!r} do not fit its data")
-            columns[spec.name] = VarColumn(offsets, data)
+                raise ProtocolError(f"BATCH: offsets of field {name!r} do not fit its data")
+            columns[name] = VarColumn(offsets, data)
         else:
-            columns[spec.name] = _array(
-                next(frames), np.dtype(spec.dtype), (n, *spec.shape), spec.name
-            )
+            columns[name] = _array(next(frames), dtype, (n, *shape), name)
     return BatchArrays(ids, weights, columns)
+
+
+_INT64 = np.dtype(np.int64)
+_FLOAT32 = np.dtype(np.float32)
+_FieldPlan = tuple[str, bool, "np.dtype[Any]", tuple[int, ...]]
+# The last schema decoded and what decoding needs of it: every batch of a pass has the same.
+_last_plan: tuple[tuple[FieldSpec, ...], int, list[_FieldPlan]] = ((), 2, [])
+
+
+def _batch_plan(schema: Sequence[FieldSpec]) -> tuple[int, list[_FieldPlan]]:
+    """(frames a BATCH of ``schema`` has, (name, variable, dtype, shape) per field).
+
+    ``dtype`` is that of the field's first frame: its offsets (int64) when it is variable.
+    """
+    global _last_plan
+    key = tuple(schema)
+    last = _last_plan
+    if last[0] != key:  # equal specs decode alike (``info`` plays no part here)
+        plan: list[_FieldPlan] = [
+            (s.name, s.variable, _INT64 if s.variable else np.dtype(s.dtype), s.shape) for s in key
+        ]
+        last = _last_plan = (key, 2 + sum(2 if s.variable else 1 for s in key), plan)
+    return last[1], last[2]
 
 
 def _array(buf: memoryview, dtype: np.dtype[Any], shape: tuple[int, ...], name: str) -> np.ndarray:

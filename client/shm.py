@@ -141,13 +141,13 @@ class SlotDescriptor:
         ring, slot, gen, frames = (obj.get(k) for k in ("ring", "slot", "gen", "frames"))
         if not isinstance(ring, str) or not NAME_RE.fullmatch(ring):
             raise ProtocolError(f"slot descriptor: bad ring name {ring!r}")
-        if not _is_uint(slot) or not _is_uint(gen):
+        if not is_uint(slot) or not is_uint(gen):
             raise ProtocolError(f"slot descriptor: 'slot' and 'gen' must be ints, got {obj!r}")
         if (
             not isinstance(frames, list)
             or len(frames) > MAX_FRAMES
             or not all(
-                isinstance(f, list) and len(f) == 2 and _is_uint(f[0]) and _is_uint(f[1])
+                isinstance(f, list) and len(f) == 2 and is_uint(f[0]) and is_uint(f[1])
                 for f in frames
             )
         ):
@@ -155,7 +155,8 @@ class SlotDescriptor:
         return cls(ring, slot, gen, tuple((f[0], f[1]) for f in frames))
 
 
-def _is_uint(v: object) -> TypeGuard[int]:
+def is_uint(v: object) -> TypeGuard[int]:
+    """Whether a JSON value is a non-negative int (a bool is not)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
@@ -271,6 +272,19 @@ class ShmRing:
             ProtocolError: the descriptor names another ring, a slot or a range outside this
                 ring, or a slot the daemon has already lent again.
         """
+        self.check_layout(desc)
+        slot = self.lent_slot(desc.slot, desc.generation)
+        return [slot[off : off + n] for off, n in desc.frames]
+
+    def check_layout(self, desc: SlotDescriptor) -> None:
+        """Check that a descriptor's ring, slot and frames fit this ring (not its generation).
+
+        What passes here holds for every descriptor with the same frames: a receiver checks
+        a layout once and then only ``lent_slot``.
+
+        Raises:
+            ProtocolError: another ring, a slot outside it, or frames off the slot layout.
+        """
         if desc.ring != self.name:
             raise ProtocolError(f"descriptor names ring {desc.ring!r}, attached to {self.name!r}")
         if desc.slot >= self.slots:
@@ -284,11 +298,20 @@ class ShmRing:
             raise ProtocolError(
                 f"descriptor reaches byte {end} of a {self.slot_bytes}-byte slot in {self.name}"
             )
-        if not self.is_current(desc):
-            raise ProtocolError(f"slot {desc.slot} of {self.name} was lent again")
-        base = self._data_offset + desc.slot * self.slot_bytes
-        mv = memoryview(self._map())
-        return [mv[base + off : base + off + n] for off, n in desc.frames]
+
+    def lent_slot(self, slot: int, generation: int) -> memoryview:
+        """A whole slot's bytes, if it still holds the batch of that generation.
+
+        Raises:
+            ProtocolError: the slot is outside the ring, or the daemon has lent it again.
+        """
+        if not 0 <= slot < self.slots:
+            raise ProtocolError(f"descriptor names slot {slot}, ring {self.name} has {self.slots}")
+        mm = self._map()
+        if GEN.unpack_from(mm, GEN_TABLE_OFFSET + GEN.size * slot)[0] != generation:
+            raise ProtocolError(f"slot {slot} of {self.name} was lent again")
+        base = self._data_offset + slot * self.slot_bytes
+        return memoryview(mm)[base : base + self.slot_bytes]
 
     def is_current(self, desc: SlotDescriptor) -> bool:
         """Whether the descriptor's slot still holds its batch (not yet lent again).

@@ -450,6 +450,19 @@ def test_decode_batch_is_zero_copy() -> None:
     assert np.shares_memory(np.frombuffer(blob.data, np.uint8), frame["blob"])
 
 
+def test_decode_batch_follows_a_changed_schema() -> None:
+    """A schema of the same names but other dtypes (a daemon restarted on another store)."""
+    first = [FieldSpec("x", "int64", (2,))]
+    msg = Message(MsgType.BATCH, 1, {"n": 1}, [memoryview(b"\0" * 8), memoryview(b"\0" * 4)])
+    msg.frames.append(memoryview(np.array([[1, 2]], np.int64).tobytes()))
+    assert decode_batch(msg, first).columns["x"].dtype == np.int64  # type: ignore[union-attr]
+    second = [FieldSpec("x", "float32", (4,))]
+    out = decode_batch(msg, second).columns["x"]
+    assert out.dtype == np.float32 and out.shape == (1, 4)  # type: ignore[union-attr]
+    with pytest.raises(ProtocolError, match="needs 4 frames"):
+        decode_batch(msg, [FieldSpec("x", "binary")])
+
+
 def test_batch_frames_are_views_of_the_arrays() -> None:
     batch = make_batch(4)
     frames = batch_frames(batch, SCHEMA)
