@@ -361,13 +361,25 @@ class Prefetcher:
             self._on_discard(fut.result())
 
     def _announce(self, key: Key, _future: Future[Batch]) -> None:
+        """Queue ``key`` for ``completed``; wake the loop if nothing was queued before it.
+
+        Keys finished while earlier ones wait are picked up by the same ``completed``: one
+        pipe write per drain, not per batch (a write lets go of the GIL, and winning it back
+        from the loop or another assembler delays this worker's next batch).
+        """
         with self._lock:
+            first = not self._done
             self._done.append(key)
-        with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake already
-            os.write(self._wake_w, b"x")
+        if first:
+            with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake already
+                os.write(self._wake_w, b"x")
 
     def completed(self) -> list[Key]:
-        """Keys finished since the last call (drains the wake-up pipe)."""
+        """Keys finished since the last call (drains the wake-up pipe first).
+
+        The pipe is drained before the keys are taken: a key queued after that finds the
+        queue empty and writes again, so that no key waits for a wake-up that was read.
+        """
         try:
             while os.read(self.wake_fd, 4096):
                 pass

@@ -71,3 +71,34 @@ def test_a_corrupt_record_fails_the_batch_and_holds_no_memory(tmp_path: Path) ->
         assert Lease.released == Lease.lent  # nothing lent is left held
         ok = assembler.assemble(np.array([3, 4]), np.ones(2, np.float32))
         assert np.asarray(ok.columns["label"]).tolist() == [3, 4]
+
+
+def test_every_finished_batch_is_announced_to_a_loop_that_waits_on_the_pipe(
+    tmp_path: Path,
+) -> None:
+    """Completions wake the loop once per drain, not once per batch: a loop that looks only
+    when the pipe is readable (as the server's does) still gets every key, exactly once."""
+    import select
+
+    from loaderd.prefetch import Prefetcher
+
+    make_store(tmp_path / "s.db")
+    with TierStack(SampleStore(tmp_path / "s.db"), 0) as stack:
+        prefetcher = Prefetcher(Assembler(stack, SCHEMA), workers=3, inline_bytes=0)
+        try:
+            rng = np.random.default_rng(1)
+            keys = [("job", rank, 0, "train", i) for i in range(40) for rank in range(3)]
+            got: list[tuple[object, ...]] = []
+            for n, key in enumerate(keys):
+                prefetcher.submit(key, rng.integers(0, N, 4), np.ones(4, np.float32))
+                if n % 7 == 0:  # the loop drains now and then while batches still finish
+                    readable, _, _ = select.select([prefetcher.wake_fd], [], [], 0)
+                    if readable:
+                        got += prefetcher.completed()
+            while len(got) < len(keys):
+                readable, _, _ = select.select([prefetcher.wake_fd], [], [], 60)
+                assert readable, f"no wake-up with {len(keys) - len(got)} batches unannounced"
+                got += prefetcher.completed()
+            assert sorted(got) == sorted(keys)
+        finally:
+            prefetcher.close()
