@@ -259,6 +259,7 @@ class ReadAhead:
                 "advised_bytes": self.advised_bytes,
                 "advised_records": self.advised_records,
                 "advise_calls": self.advise_calls,
+                "advice_skipped": self.store.advice_skipped,
                 "cached_batches": self.cached_batches,
                 "prefaulted_records": self.prefaulted_records,
                 "prefault_calls": self.prefault_calls,

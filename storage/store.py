@@ -42,6 +42,7 @@ from loaderd.storage.errors import NotAStoreError, ResumeError, StoreFullError
 from loaderd.storage.pinning import PageLocks
 from loaderd.storage.prefault import Prefault, address_of
 from loaderd.storage.records import Schema, verify
+from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.safe_files import fsync_dir
 from loaderd.storage.value_index import ValueIndex, build_value_index
 
@@ -202,9 +203,26 @@ class SampleStore:
             with self._env.begin(db=self._samples, buffers=True) as txn:
                 return sum(len(txn.get(int(s).to_bytes(8, "big")) or b"") for s in ids), 0
         ids = np.asarray(ids, np.int64)
-        calls = self._advise_ranges(index, ids)
+        starts, lengths = index.ranges(ids, ADVISE_GAP, _PAGE)
+        probe = self._residency
+        if probe is not None and probe.resident(starts, lengths):
+            calls = 0  # the page cache holds them: nothing to read (``residency.py``)
+        else:
+            calls = self._fadvise(starts, lengths)
         self._advised[ids] = True  # their read need not ask again (``advise_known``)
         return index.nbytes(ids), calls
+
+    @cached_property
+    def _residency(self) -> ResidencyProbe | None:
+        """Skips advice while the page cache holds the store (needs the map located)."""
+        pages = self._prefault
+        return None if pages is None else ResidencyProbe(pages.base)
+
+    @property
+    def advice_skipped(self) -> int:
+        """Batches ``advise`` did not advise: the page cache held them (``residency.py``)."""
+        probe = self.__dict__.get("_residency")
+        return 0 if probe is None else probe.skipped
 
     def prefault(self, ids: np.ndarray) -> tuple[int, int]:
         """Map the pages ``advise(ids)`` read into this process, waiting for their reads.
@@ -329,8 +347,10 @@ class SampleStore:
 
     def _advise_ranges(self, index: ValueIndex, ids: np.ndarray) -> int:
         """``posix_fadvise(WILLNEED)`` on the records' pages, joined; returns the calls made."""
+        return self._fadvise(*index.ranges(ids, ADVISE_GAP, _PAGE))
+
+    def _fadvise(self, starts: np.ndarray, lengths: np.ndarray) -> int:
         fd = self._advise_fd()
-        starts, lengths = index.ranges(ids, ADVISE_GAP, _PAGE)
         for off, n in zip(starts.tolist(), lengths.tolist(), strict=True):
             os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
         return len(starts)

@@ -89,6 +89,7 @@ def test_a_run_of_records_is_advised_in_one_call_and_read_exact(
     codec = RecordCodec(Schema((Field("blob", "binary"), Field("label", "int64"))))
     rng = np.random.default_rng(0)  # make_store's draws, in its order
     want = [rng.bytes(SIZES[i % 2] + i) for i in range(N)]
+    evict(store_path)  # cold: pages the page cache holds are not advised (residency.py)
     with SampleStore(store_path) as store:
         run = np.arange(40, 104)  # 64 records stored one after the other
         plan = RankPlan(run, np.ones(len(run), np.float32), np.array([0, len(run)]))
