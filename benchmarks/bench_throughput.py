@@ -108,6 +108,15 @@ class CpuUse:
             self.cores[k] = round((sum(p.cpu_times()[:2]) - before[k]) / wall, 2)
 
 
+def goal_for(goal: str, sample_bytes: int) -> tuple[float, str | None, float]:
+    """A row's goal: the issue asks memcpy's share of a hit at 100 KB only (at 3 KB a batch
+    is per-batch work, not bytes)."""
+    vs_dl, other, need = GOALS[goal]
+    if other == "memcpy" and sample_bytes < 100_000:
+        return vs_dl, None, 0.0
+    return vs_dl, other, need
+
+
 # --- a daemon for one measurement --------------------------------------------------------------
 
 
@@ -319,7 +328,7 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
     ) -> None:
         best_dl = max(dl[state].values())
         best_st = max(st[state].values()) if st[state] else None
-        vs_dl, other, need = GOALS[goal]
+        vs_dl, other, need = goal_for(goal, sample_bytes)
         bound = {"disk": disk_sps, "memcpy": mem / per_sample}.get(other or "")
         met = sps >= vs_dl * best_dl and (bound is None or sps >= need * bound)
         met = met and (best_st is None or sps > best_st)
