@@ -20,7 +20,12 @@ import threading
 
 logger = logging.getLogger(__name__)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# PyDLL, not CDLL: the call keeps the GIL. Locking pages already resident (a record just read
+# and verified) takes ~10 us; letting go of the GIL for it meant winning it back from threads
+# that copy batches with the GIL held, so the admission thread admitted ~1,700 records/s on 2
+# cores and a store that fits in DRAM needed three epochs to be all hits (one now). A page
+# reclaimed in between is read back with the GIL held: rare, and only slower.
+_libc = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mlock.argtypes = _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 

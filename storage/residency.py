@@ -23,7 +23,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# PyDLL: mincore never waits for I/O, and keeping the GIL spares winning it back from the
+# threads that copy batches with it held (``pinning.py``).
+_libc = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mincore.restype = ctypes.c_int
 _PAGE = mmap.PAGESIZE
