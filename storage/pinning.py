@@ -13,20 +13,13 @@ logged once and locking is not tried again.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
 
-logger = logging.getLogger(__name__)
+from loaderd.storage.syscalls import mlock, munlock
 
-# PyDLL, not CDLL: the call keeps the GIL. Locking pages already resident (a record just read
-# and verified) takes ~10 us; letting go of the GIL for it meant winning it back from threads
-# that copy batches with the GIL held, so the admission thread admitted ~1,700 records/s on 2
-# cores and a store that fits in DRAM needed three epochs to be all hits (one now). A page
-# reclaimed in between is read back with the GIL held: rare, and only slower.
-_libc = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.mlock.argtypes = _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+logger = logging.getLogger(__name__)
 
 
 class PageLocks:
@@ -41,7 +34,7 @@ class PageLocks:
         """Lock ``[address, address + length)`` (page-aligned) in RAM; False if not allowed."""
         if not self.enabled:
             return False
-        if _libc.mlock(address, length) != 0:
+        if mlock(address, length) != 0:
             err = ctypes.get_errno()
             self.enabled = False
             logger.info(
@@ -55,6 +48,6 @@ class PageLocks:
 
     def unlock(self, address: int, length: int) -> None:
         """Undo one ``lock`` of exactly this range."""
-        _libc.munlock(address, length)
+        munlock(address, length)
         with self._lock:
             self.locked_bytes -= length

@@ -17,25 +17,17 @@ once, and the records are faulted in by their readers as before.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
 
 import numpy as np
 
+from loaderd.storage.syscalls import madvise
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_READ = 22  # linux/mman.h, since 5.14
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def address_of(view: memoryview) -> int:
-    """Where a buffer's first byte lies in this process's memory."""
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
 class Prefault:
@@ -61,7 +53,7 @@ class Prefault:
             if n <= 0:
                 continue
             calls += 1
-            if _libc.madvise(self.base + off, n, MADV_POPULATE_READ) != 0:
+            if madvise(self.base + off, n, MADV_POPULATE_READ) != 0:
                 err = ctypes.get_errno()
                 if err == errno.EINTR:  # a signal arrived; the next read-ahead goes on
                     continue

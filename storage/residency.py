@@ -14,20 +14,16 @@ evicted between probes is faulted in by its reader, never read wrong.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
 
 import numpy as np
 
+from loaderd.storage.syscalls import mincore
+
 logger = logging.getLogger(__name__)
 
-# PyDLL: mincore never waits for I/O, and keeping the GIL spares winning it back from the
-# threads that copy batches with it held (``pinning.py``).
-_libc = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mincore.restype = ctypes.c_int
 _PAGE = mmap.PAGESIZE
 
 
@@ -71,7 +67,7 @@ class ResidencyProbe:
             pages = -(-n // _PAGE)
             if len(self._vec) < pages:
                 self._vec = np.zeros(pages, np.uint8)
-            if _libc.mincore(self.base + off, n, self._vec.ctypes.data) != 0:
+            if mincore(self.base + off, n, self._vec.ctypes.data) != 0:
                 self.enabled = False
                 logger.info(
                     "cannot ask which store pages are cached (mincore: %s): every batch is advised",

@@ -40,10 +40,11 @@ import xxhash
 
 from loaderd.storage.errors import NotAStoreError, ResumeError, StoreFullError
 from loaderd.storage.pinning import PageLocks
-from loaderd.storage.prefault import Prefault, address_of
+from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.safe_files import fsync_dir
+from loaderd.storage.syscalls import address_of
 from loaderd.storage.value_index import ValueIndex, build_value_index
 
 logger = logging.getLogger(__name__)
@@ -326,7 +327,7 @@ class SampleStore:
         """
         if not self._locks.enabled or record.nbytes < PIN_MIN_BYTES:
             return None
-        address = int(np.frombuffer(record, np.uint8).ctypes.data)
+        address = address_of(record)
         if address % self._psize != _OVERFLOW_HEADER:
             return None
         start = address - _OVERFLOW_HEADER
