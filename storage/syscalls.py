@@ -7,12 +7,18 @@ through ``PyDLL`` and keep the GIL: ``mlock`` of a record just read (~10 us; let
 DRAM admission so slow that a store fitting in DRAM took three epochs to be all hits, one
 now; a page reclaimed in between is read back with the GIL held, rare and only slower),
 ``munlock`` and ``mincore``. ``madvise(MADV_POPULATE_READ)`` waits for reads, so it lets go.
+
+A record is locked with ``mlock2(MLOCK_ONFAULT)`` where the C library has it: the record was
+just read and checked, so its pages are mapped, and those are locked as ``mlock`` would; what
+``mlock`` adds is a walk that faults in the range, a third of its cost (27 us of 100 KB against
+9 us). A page reclaimed in between is locked when it is next read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 
 import numpy as np
 
@@ -20,17 +26,32 @@ _NAME = ctypes.util.find_library("c") or None
 _keeping = ctypes.PyDLL(_NAME, use_errno=True)  # the GIL stays held during the call
 _releasing = ctypes.CDLL(_NAME, use_errno=True)  # the GIL is let go during the call
 
-mlock = _keeping.mlock
+MLOCK_ONFAULT = 1
+_mlock2 = getattr(_keeping, "mlock2", None)  # None: glibc before 2.27
 munlock = _keeping.munlock
 mincore = _keeping.mincore
 madvise = _releasing.madvise
-for _f in (mlock, munlock):
+_mlock = _keeping.mlock
+for _f in (_mlock, munlock):
     _f.argtypes, _f.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+if _mlock2 is not None:
+    _mlock2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _mlock2.restype = ctypes.c_int
 mincore.argtypes, mincore.restype = (
     [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
     ctypes.c_int,
 )
 madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+
+
+def mlock(address: int, length: int) -> int:
+    """Lock the mapped pages of a range that was just read (0, or -1 with ``errno`` set)."""
+    if _mlock2 is not None:
+        if _mlock2(address, length, MLOCK_ONFAULT) == 0:
+            return 0
+        if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL):  # a kernel before 4.4
+            return -1
+    return int(_mlock(address, length))
 
 
 def address_of(view: memoryview) -> int:

@@ -245,6 +245,17 @@ def test_prefault_maps_exactly_the_pages_of_the_advised_records(tmp_path: Path) 
                 os.close(fd)
 
 
+def _locked_kib(path: Path) -> int:
+    """KiB of this process's mappings of ``path`` that the kernel holds locked in RAM."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Locked:"):
+            total += int(line.split()[1])
+    return total
+
+
 def test_dram_holds_large_store_records_as_locked_views(store_path: Path) -> None:
     with SampleStore(store_path) as store:
         big, small = 1, 0  # odd ids are the large ones
@@ -258,8 +269,10 @@ def test_dram_holds_large_store_records_as_locked_views(store_path: Path) -> Non
         assert isinstance(dram.get(big), memoryview) and isinstance(dram.get(small), bytes)
         assert (bytes(dram.get(big) or b""), dram.get(small)) == want  # after the read ended
         assert store.locked_bytes >= len(want[0])
+        assert _locked_kib(store_path / "data.mdb") * 1024 >= len(want[0])  # by the kernel
         dram.discard(big)
         assert store.locked_bytes == 0 and dram.pinned == 0
+        assert _locked_kib(store_path / "data.mdb") == 0
         dram.put(big, store.views([big]).__enter__()[0])
         dram.clear()
         assert store.locked_bytes == 0 and len(dram) == 0
