@@ -13,9 +13,30 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
+
 Record = bytes | memoryview
 Pin = Callable[[memoryview], "Callable[[], None] | None"]
 Held = tuple[Record, "Callable[[], None] | None"]  # what the tier keeps, and its unlock
+
+
+# A copy at least this large is made by numpy, which lets go of the GIL for it.
+_COPY_UNLOCKED = 16 << 10
+
+
+def own_copy(view: memoryview) -> Record:
+    """A copy of a view in memory of its own.
+
+    A fresh allocation's pages are touched for the first time by the copy: about 1 GB/s on a
+    VM with 4 KiB pages, 100 us for 100 KB. ``bytes()`` does that with the GIL held, which
+    stalls every thread of the daemon (a daemon that may not lock pages admitted a warm store
+    at a quarter of the speed of one that may); ``np.copyto`` lets go of it for the copy.
+    """
+    if view.nbytes < _COPY_UNLOCKED:
+        return bytes(view)
+    out = np.empty(view.nbytes, np.uint8)
+    np.copyto(out, np.frombuffer(view, np.uint8))
+    return out.data
 
 
 class DramCache:
@@ -94,7 +115,7 @@ class DramCache:
         """
         if isinstance(record, memoryview):
             unpin = self._pin(record) if self._pin is not None else None
-            return (record, unpin) if unpin is not None else (bytes(record), None)
+            return (record, unpin) if unpin is not None else (own_copy(record), None)
         return record, None
 
     def put(self, sample_id: int, record: Record, held: Held | None = None) -> bool:

@@ -100,6 +100,18 @@ def test_negative_capacity_is_refused() -> None:
         DramCache(-1)
 
 
+@pytest.mark.parametrize("size", [100, 100_000])  # copied by bytes(), and by numpy
+def test_a_view_that_is_not_locked_is_held_as_a_copy_of_its_own(size: int) -> None:
+    source = bytearray(np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes())
+    want = bytes(source)
+    dram = DramCache(1 << 20)  # no pin: every view is copied
+    assert dram.put(7, memoryview(source))
+    source[:] = bytes(size)  # the memory the view pointed at is reused
+    got = dram.get(7)
+    assert got is not None and bytes(got) == want and len(got) == size
+    assert dram.used_bytes == size and dram.pinned == 0
+
+
 def test_hit_rate_with_no_lookups() -> None:
     assert DramCache(10).stats()["hit_rate"] == 0.0
 
