@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         "admissions (default: 256MiB; 0: admit while serving)",
     )
     s.add_argument(
+        "--dram-lock-pages",
+        action=argparse.BooleanOptionalAction,
+        default=CacheConfig().lock_pages,
+        help="hold large records in DRAM as the store's pages locked in RAM (mlock) rather "
+        "than as copies (default: on; off, or an RLIMIT_MEMLOCK that refuses, copies)",
+    )
+    s.add_argument(
         "--nvram-dir",
         type=Path,
         help="directory of the NVRAM arena file (a DAX mount, /dev/shm or any disk); "
@@ -355,6 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             snapshot_bytes=args.snapshot_bytes,
             policy=args.cache_policy,
             admit_queue_bytes=args.dram_admit_queue,
+            lock_pages=args.dram_lock_pages,
         ),
         prefetch=PrefetchConfig(
             depth=args.prefetch, workers=args.workers, readahead_bytes=args.readahead_bytes

@@ -43,6 +43,8 @@ class CacheConfig:
     # What waits are views of the store's pages, not copies: the bound caps the backlog, not
     # memory (64 MiB dropped up to a quarter of a 100 KB warm-miss epoch on 2 loaded cores).
     admit_queue_bytes: int = 256 << 20
+    # Hold large records admitted from the store as its pages locked in RAM (False: copies).
+    lock_pages: bool = True
 
     def __post_init__(self) -> None:
         from loaderd.storage.policies import POLICIES

@@ -66,6 +66,7 @@ def build_tiers(config: CacheConfig, store: SampleStore) -> TierStack:
             arena,
             policy=config.policy,
             admit_queue_bytes=config.admit_queue_bytes,
+            lock_pages=config.lock_pages,
         )
     except BaseException:
         if arena is not None:

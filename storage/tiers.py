@@ -63,6 +63,8 @@ class TierStack:
         admit_queue_bytes: record bytes waiting for DRAM admission at most, admitted by a
             background thread (full: an admission is dropped, never waited for); 0 (default)
             admits during the read.
+        lock_pages: whether DRAM may hold a large record as the store's pages locked in RAM
+            (``SampleStore.pin``); False: as a copy.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class TierStack:
         *,
         policy: str = "importance",
         admit_queue_bytes: int = 0,
+        lock_pages: bool = True,
     ) -> None:
         self.store = store
         self.arena = arena
@@ -90,7 +93,11 @@ class TierStack:
         self.dram = (
             dram
             if isinstance(dram, DramCache)
-            else DramCache(dram, pin=store.pin, recency=self.policy.overfills_dram)
+            else DramCache(
+                dram,
+                pin=store.pin if lock_pages else None,
+                recency=self.policy.overfills_dram,
+            )
         )
         self._lock = threading.Lock()
         self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
@@ -502,6 +509,8 @@ class TierStack:
             "policy": self.policy.name,
             "placements": self.placements,
         }
+        # Records held as the store's pages locked in RAM, not copies (``SampleStore.pin``).
+        tiers[DRAM].update(pinned=self.dram.pinned, locked_bytes=self.store.locked_bytes)
         if self._admissions is not None:
             tiers[DRAM].update(self._admissions.stats(), admitted_late=self.admitted_late)
         return {

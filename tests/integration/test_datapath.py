@@ -239,3 +239,21 @@ def test_dram_admission_behind_serving_or_inline(
             dram = admitted(d.address)
         assert dram["hits"] > hits and dram["items"] > 0
         ds.close()
+
+
+@pytest.mark.parametrize("lock", [True, False])
+def test_dram_holds_the_stores_locked_pages_or_copies(
+    lock: bool, store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    db, samples = store
+    flag = "--dram-lock-pages" if lock else "--no-dram-lock-pages"
+    with Daemon(db=db, state_dir=tmp_path / "st", extra=["--dram-bytes", "8MiB", flag]) as d:
+        ds = LoaderdDataset(d.address, job="lock", batch_size=8)
+        assert sorted(check_epoch(ds, samples)) == list(range(N))
+        dram = admitted(d.address)
+        if lock and not dram["pinned"]:
+            pytest.skip("this daemon may not lock pages (RLIMIT_MEMLOCK)")
+        assert dram["items"] == N and (dram["pinned"] == N if lock else dram["pinned"] == 0)
+        assert sorted(check_epoch(ds, samples)) == list(range(N))  # hits: the stored bytes
+        assert admitted(d.address)["hits"] >= N
+        ds.close()
