@@ -10,7 +10,9 @@ In one run, on one LMDB store per sample size (100 KB and 3 KB, batch 64), this 
   same worker counts), cold and warm;
 * loaderd through ``LoaderdDataset`` over shared memory: the first epoch of a fresh daemon
   with the store evicted (cold), the first epoch with the page cache warm (warm miss: DRAM
-  empty), later epochs (hit); a store four times larger than ``--dram-bytes`` over three
+  empty), later epochs (hit); the warm miss again with DRAM holding copies rather than the
+  store's locked pages (``--no-dram-lock-pages``: what a daemon that may not lock does); a
+  store four times larger than ``--dram-bytes`` over three
   epochs (the steady state of a run whose data does not fit); 1, 2 and 4 trainer processes.
 
 Each loaderd row is compared with the best DataLoader and the best Streaming configuration in
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -159,7 +162,14 @@ def run_epoch(ds: Any, served: Served | None = None) -> float:
 
 
 def one_trainer(
-    db: Path, ctx: Context, dram: int, epochs: int, *, cold: bool, tag: str
+    db: Path,
+    ctx: Context,
+    dram: int,
+    epochs: int,
+    *,
+    cold: bool,
+    tag: str,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Epoch rates of one shm trainer on a fresh daemon (the store evicted first if ``cold``)."""
     from loaderd.client import LoaderdDataset
@@ -169,7 +179,7 @@ def one_trainer(
     else:
         warm([db / "data.mdb"])
     left = resident([db / "data.mdb"])
-    srv = ctx.serve(db, dram)
+    srv = ctx.serve(db, dram, extra)
     try:
         ds = LoaderdDataset(srv.address, job="bench", batch_size=BATCH, prefetch=8)
         ds.connect()
@@ -260,9 +270,9 @@ class Context:
         self.daemons: list[Served] = []
         stack.callback(self.stop_all)
 
-    def serve(self, db: Path, dram: int) -> Served:
-        extra = ["--shm-slots", str(self.args.shm_slots)]
-        srv = Served(db, self.log, dram, extra)
+    def serve(self, db: Path, dram: int, extra: Sequence[str] = ()) -> Served:
+        args = ["--shm-slots", str(self.args.shm_slots), *extra]
+        srv = Served(db, self.log, dram, args)
         self.daemons.append(srv)
         return srv
 
@@ -324,7 +334,12 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
                 row(f"Streaming (MDS) num_workers={w}, {state}", r[state])
 
     def compare(
-        state: str, goal: str, sps: float, profiles: tuple[Path | None, Path | None], **more: Any
+        state: str,
+        goal: str,
+        sps: float,
+        profiles: tuple[Path | None, Path | None],
+        label: str = "",
+        **more: Any,
     ) -> None:
         best_dl = max(dl[state].values())
         best_st = max(st[state].values()) if st[state] else None
@@ -334,7 +349,7 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
         met = met and (best_st is None or sps > best_st)
         daemon, trainer = (top_frames(p) if p is not None and not met else [] for p in profiles)
         row(
-            f"loaderd shm, {goal}",
+            f"loaderd shm, {label or goal}",
             sps,
             goal=goal,
             vs_dataloader=round(sps / best_dl, 2),
@@ -367,6 +382,17 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
     compare(
         "warm", "warm miss", miss["rates"][0], miss["profiles"][0], cores=miss["cores"][0], **mb
     )
+
+    # What a daemon that may not lock pages does (an ordinary user's RLIMIT_MEMLOCK): DRAM
+    # holds copies, made off the GIL, and fills over more than one epoch.
+    copied = one_trainer(
+        db, ctx, dram_all, 2, cold=False, tag=f"{label}-copied", extra=["--no-dram-lock-pages"]
+    )
+    compare(
+        "warm", "warm miss", copied["rates"][0], copied["profiles"][0],
+        label="warm miss, DRAM copies (pages not locked)", cores=copied["cores"][0],
+        epochs=[round(r) for r in copied["rates"]], **mb,
+    )  # fmt: skip
 
     big = one_trainer(db, ctx, store_bytes // 4, 3, cold=False, tag=f"{label}-big")
     compare(
