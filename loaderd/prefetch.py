@@ -145,7 +145,13 @@ class Assembler:
     def assemble(
         self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None = None
     ) -> Batch:
-        """Read and copy one batch, into memory from ``allocate`` when it has some."""
+        """Read and copy one batch, into memory from ``allocate`` when it has some.
+
+        A batch whose records DRAM holds skips the read's per-record steps (``resident``).
+        """
+        batch = self.assemble_resident(ids, weights, allocate)
+        if batch is not None:
+            return batch
         with self.tiers.read(ids) as records:
             return self._build(ids, weights, records, allocate)
 
