@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from loaderd.storage.checksum import xxh3_64
 from loaderd.storage.errors import CorruptRecordError
 
 RECORD_HEADER = struct.Struct("<QII")
@@ -369,6 +370,6 @@ def verify(record: bytes | memoryview, sample_id: int, where: str) -> memoryview
     body = view[RECORD_HEADER.size :]
     if version != RECORD_VERSION or length != body.nbytes:
         raise CorruptRecordError(sample_id, where, "record header is damaged")
-    if xxhash.xxh3_64_intdigest(body) != digest:
+    if xxh3_64(body) != digest:
         raise CorruptRecordError(sample_id, where)
     return body

@@ -11,6 +11,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loaderd.storage.checksum import xxh3_64
 from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.records import (
     RECORD_HEADER,
@@ -233,6 +234,19 @@ def test_codec_encode_out_of_range_value_is_a_value_error() -> None:
 def test_seal_and_verify() -> None:
     body = b"hello world"
     assert bytes(verify(seal(body), 3, "x")) == body
+
+
+@pytest.mark.parametrize("size", [0, 65_536, 65_537, 100_000])  # python-xxhash's own, then ours
+def test_checksum_of_any_size_matches_xxhash_and_catches_a_flipped_byte(size: int) -> None:
+    body = np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
+    view = memoryview(b"pad" + body)[3:]  # a view at an odd address, as a store's record
+    assert xxh3_64(view) == xxh3_64(body) == xxhash.xxh3_64_intdigest(body)
+    record = bytearray(seal(body))
+    assert bytes(verify(memoryview(bytes(record)), 5, "x")) == body
+    if size:
+        record[RECORD_HEADER.size + size // 2] ^= 0x10
+        with pytest.raises(CorruptRecordError, match="sample 5"):
+            verify(memoryview(bytes(record)), 5, "x")
 
 
 SMALL = Schema((Field("x", "float32", (3,)), Field("tag", "string")))
