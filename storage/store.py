@@ -44,6 +44,7 @@ from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.safe_files import fsync_dir
+from loaderd.storage.map_slices import MapSlices
 from loaderd.storage.syscalls import address_of
 from loaderd.storage.value_index import ValueIndex, build_value_index
 
@@ -155,6 +156,9 @@ class SampleStore:
     ) -> Iterator[list[memoryview]]:
         """Records for ids, in order, as views into LMDB's map: no copy.
 
+        Once the value index is built and LMDB has returned each record of a batch once,
+        the batch is sliced from the map without a call into LMDB (``map_slices.py``).
+
         The views are valid inside the ``with`` block only (one read transaction); copy what
         must outlive it. Each record's checksum is verified here, unless ``verified`` is
         False: then the caller verifies each record once (``records.verify``), where it has
@@ -165,20 +169,46 @@ class SampleStore:
             CorruptRecordError: the record failed its checksum.
         """
         where = f"store {self.path}"
-        with self._env.begin(db=self._samples, buffers=True) as txn:
-            get = txn.get
-            out: list[memoryview] = []
-            for sid in ids:
-                rec = get(int(sid).to_bytes(8, "big"))
-                if rec is None:
-                    raise KeyError(f"sample {int(sid)} is not in store {self.path}")
+        slices = self._slices
+        sliced = None if slices is None else slices.slices(np.asarray(ids, np.int64))
+        with contextlib.ExitStack() as stack:
+            if sliced is not None:  # no call into LMDB (``map_slices.py``)
+                out = sliced
                 if verified:
-                    verify(rec, int(sid), where)
-                out.append(rec)
+                    for sid, rec in zip(ids, out, strict=True):
+                        verify(rec, int(sid), where)
+            else:
+                txn = stack.enter_context(self._env.begin(db=self._samples, buffers=True))
+                get = txn.get
+                out = []
+                for sid in ids:
+                    got = get(int(sid).to_bytes(8, "big")) if sid >= 0 else None
+                    if got is None:
+                        raise KeyError(f"sample {int(sid)} is not in store {self.path}")
+                    if verified:
+                        verify(got, int(sid), where)
+                    if slices is not None:
+                        slices.confirm(int(sid), got)
+                    out.append(got)
             # Counters are statistics, not invariants: a lost increment under a race is harmless.
             self.reads += len(out)
             self.bytes_read += sum(v.nbytes for v in out)
             yield out
+
+    @property
+    def _slices(self) -> MapSlices | None:
+        """Records as slices of the map, once the value index is built (never built here)."""
+        if "value_index" not in self.__dict__:
+            return None
+        return self._map_slices
+
+    @cached_property
+    def _map_slices(self) -> MapSlices | None:
+        pages = self._prefault
+        index = self.value_index
+        if pages is None or index is None:
+            return None
+        return MapSlices(pages.base, pages.size, index)
 
     # --- read-ahead -------------------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""Records sliced from the store's map once LMDB has confirmed where each one lies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaderd.storage.store import SampleStore
+from tests.unit.test_readahead import N, make_store
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_store(tmp_path_factory.mktemp("slices") / "s.db")
+
+
+def stored(path: Path) -> list[bytes]:
+    """Every record as LMDB returns it, from a store without a value index."""
+    with SampleStore(path) as store:
+        return store.get_many(range(N))
+
+
+def test_records_are_sliced_after_lmdb_confirmed_them(store_path: Path) -> None:
+    want = stored(store_path)
+    ids = np.random.default_rng(1).permutation(N)
+    with SampleStore(store_path) as store:
+        with store.views(ids[:50]) as views:  # no index yet: LMDB, nothing confirmed
+            assert [bytes(v) for v in views] == [want[i] for i in ids[:50]]
+        assert store.value_index is not None  # the read-ahead builds it
+        with store.views(ids[:100]) as views:  # through LMDB, confirming each
+            assert [bytes(v) for v in views] == [want[i] for i in ids[:100]]
+        slices = store._slices
+        assert slices is not None and slices.confirmed == 100 and slices.sliced == 0
+        with store.views(ids[:100][::-1]) as views:  # every one confirmed: slices
+            assert [bytes(v) for v in views] == [want[i] for i in ids[:100][::-1]]
+        assert slices.sliced == 100
+        with store.views(ids[90:110]) as views:  # some never read: LMDB for the batch
+            assert [bytes(v) for v in views] == [want[i] for i in ids[90:110]]
+        assert slices.sliced == 100 and slices.confirmed == 110
+        with pytest.raises(KeyError, match=f"sample {N} is not in store"):
+            with store.views([int(ids[0]), N]):
+                pass
+        with pytest.raises(KeyError, match="sample -1 is not in store"):
+            with store.views([int(ids[0]), -1]):
+                pass
+
+
+def test_an_index_that_disagrees_with_lmdb_turns_slicing_off(store_path: Path) -> None:
+    want = stored(store_path)
+    with SampleStore(store_path) as store:
+        index = store.value_index
+        assert index is not None
+        index.offsets[4] = index.offsets[2]  # as a walk of the B-tree gone wrong would say
+        index.lengths[4] = index.lengths[2]
+        for _ in range(2):
+            with store.views([2, 4]) as views:
+                assert [bytes(v) for v in views] == [want[2], want[4]]  # never sample 2's
+        slices = store._slices
+        assert slices is not None and not slices.enabled and slices.sliced == 0
