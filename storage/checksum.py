@@ -4,10 +4,10 @@ python-xxhash lets go of the GIL while it hashes. A thread that lets go must win
 while another thread runs Python (the daemon's server loop, the other assembler, the
 read-ahead) that takes up to the switch interval: measured here, a 100 KB record took 700 us
 to hash beside a thread running Python, against 10 us of CPU; once per record of a batch,
-that wait was a large part of the miss path. (python-xxhash lets go above 64 KiB only.) So the hash is called through ``ctypes.PyDLL``,
-which keeps the GIL, from the xxHash library python-xxhash is built with (the same function
-``xxh3_64_intdigest`` calls, with the CPU's widest vectors). Where that library does not
-export it, the module's function is used as before.
+that wait was a large part of the miss path (python-xxhash lets go above 64 KiB only). So
+the hash is called through ``ctypes.PyDLL``, which keeps the GIL, from the xxHash library
+python-xxhash is built with (the function ``xxh3_64_intdigest`` calls, with the CPU's widest
+vectors). Where that library does not export it, the module's function is used as before.
 """
 
 from __future__ import annotations

@@ -57,7 +57,10 @@ class MapSlices:
             return None
         whole = self._map
         self.sliced += len(ids)
-        return [whole[a:b] for a, b in zip(self._offsets[ids].tolist(), self._ends[ids].tolist())]
+        return [
+            whole[a:b]
+            for a, b in zip(self._offsets[ids].tolist(), self._ends[ids].tolist(), strict=True)
+        ]
 
     def confirm(self, sample_id: int, view: memoryview) -> None:
         """Compare LMDB's view of a record with the index: equal, it may be sliced from now on."""

@@ -39,12 +39,12 @@ import pyarrow as pa
 import xxhash
 
 from loaderd.storage.errors import NotAStoreError, ResumeError, StoreFullError
+from loaderd.storage.map_slices import MapSlices
 from loaderd.storage.pinning import PageLocks
 from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.safe_files import fsync_dir
-from loaderd.storage.map_slices import MapSlices
 from loaderd.storage.syscalls import address_of
 from loaderd.storage.value_index import ValueIndex, build_value_index
 
