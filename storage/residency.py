@@ -60,6 +60,7 @@ class ResidencyProbe:
         self.probes += 1
         whole = self._probe(starts, lengths)
         self._streak = self._streak + 1 if whole else 0
+        self.skipped += whole  # a probe that found every page cached advises nothing either
         return whole
 
     def _probe(self, starts: np.ndarray, lengths: np.ndarray) -> bool:

@@ -124,7 +124,10 @@ def test_store_bytes_cold_hit_socket_and_shm(
     assert s["daemon"]["assembled_inline"] - inline >= N // 10
     ra = s["readahead"]
     assert ra["advised_records"] > 0 and ra["indexed"]
-    assert 0 < ra["advise_calls"] <= ra["advised_records"]  # neighbours share a call
+    assert ra["advise_calls"] <= ra["advised_records"]  # neighbours share a call
+    # The read-ahead advised, or found the pages cached already: a batch the serving path
+    # reached first was advised by the read itself (``advise_known``) and is resident by then.
+    assert ra["advise_calls"] + ra["advice_skipped"] > 0
     assert s["shm"]["delivered"] > 0 and s["shm"]["socket_fallbacks"] == 0
     assert s["tiers"][0]["hits"] >= N
     ds.close()
