@@ -20,6 +20,8 @@ import numpy as np
 import xxhash
 import xxhash._xxhash
 
+from loaderd.storage.syscalls import address_of
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,5 +53,4 @@ def xxh3_64(data: bytes | memoryview) -> int:
     """The xxh3-64 (seed 0) of ``data``, as ``xxhash.xxh3_64_intdigest``, the GIL held."""
     if _XXH3 is None or len(data) <= _LETS_GO_ABOVE:
         return xxhash.xxh3_64_intdigest(data)
-    view = np.frombuffer(data, np.uint8)
-    return int(_XXH3(view.__array_interface__["data"][0], view.nbytes))
+    return int(_XXH3(address_of(memoryview(data)), len(data)))

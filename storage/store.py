@@ -171,29 +171,32 @@ class SampleStore:
         where = f"store {self.path}"
         slices = self._slices
         sliced = None if slices is None else slices.slices(np.asarray(ids, np.int64))
-        with contextlib.ExitStack() as stack:
-            if sliced is not None:  # no call into LMDB (``map_slices.py``)
-                out = sliced
+        if sliced is not None:  # no call into LMDB (``map_slices.py``)
+            if verified:
+                for sid, view in zip(ids, sliced, strict=True):
+                    verify(view, int(sid), where)
+            self._count(sliced)
+            yield sliced
+            return
+        with self._env.begin(db=self._samples, buffers=True) as txn:
+            get = txn.get
+            out: list[memoryview] = []
+            for sid in ids:
+                rec = get(int(sid).to_bytes(8, "big")) if sid >= 0 else None
+                if rec is None:
+                    raise KeyError(f"sample {int(sid)} is not in store {self.path}")
                 if verified:
-                    for sid, rec in zip(ids, out, strict=True):
-                        verify(rec, int(sid), where)
-            else:
-                txn = stack.enter_context(self._env.begin(db=self._samples, buffers=True))
-                get = txn.get
-                out = []
-                for sid in ids:
-                    got = get(int(sid).to_bytes(8, "big")) if sid >= 0 else None
-                    if got is None:
-                        raise KeyError(f"sample {int(sid)} is not in store {self.path}")
-                    if verified:
-                        verify(got, int(sid), where)
-                    if slices is not None:
-                        slices.confirm(int(sid), got)
-                    out.append(got)
-            # Counters are statistics, not invariants: a lost increment under a race is harmless.
-            self.reads += len(out)
-            self.bytes_read += sum(v.nbytes for v in out)
+                    verify(rec, int(sid), where)
+                if slices is not None:
+                    slices.confirm(int(sid), rec)
+                out.append(rec)
+            self._count(out)
             yield out
+
+    def _count(self, records: list[memoryview]) -> None:
+        # Statistics, not invariants: a lost increment under a race is harmless.
+        self.reads += len(records)
+        self.bytes_read += sum(v.nbytes for v in records)
 
     @property
     def _slices(self) -> MapSlices | None:

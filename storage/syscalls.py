@@ -56,4 +56,4 @@ def mlock(address: int, length: int) -> int:
 
 def address_of(view: memoryview) -> int:
     """Where a buffer's first byte lies in this process's memory."""
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])  # .ctypes: slower
