@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--workers", type=int, default=PrefetchConfig().workers, help="assembly threads")
     s.add_argument(
+        "--miss-procs",
+        type=int,
+        default=PrefetchConfig().miss_procs,
+        help="worker processes that assemble batches missing DRAM into shared memory (0: none)",
+    )
+    s.add_argument(
         "--shm-slots",
         type=int,
         help="slots of the shared-memory ring for same-host trainers (default: automatic)",
@@ -365,7 +371,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             lock_pages=args.dram_lock_pages,
         ),
         prefetch=PrefetchConfig(
-            depth=args.prefetch, workers=args.workers, readahead_bytes=args.readahead_bytes
+            depth=args.prefetch,
+            workers=args.workers,
+            miss_procs=args.miss_procs,
+            readahead_bytes=args.readahead_bytes,
         ),
         shm=ShmConfig(
             enabled=not args.no_shm,

@@ -79,6 +79,8 @@ class PrefetchConfig:
 
     depth: int = 8  # batches assembled ahead of the first unassigned one, per rank and pass
     workers: int = 2  # assembly threads (LMDB reads and checksums release the GIL)
+    # Worker processes that assemble batches missing DRAM into shm slots (loaderd.miss_workers)
+    miss_procs: int = 2
     # Store bytes asked of the kernel ahead of the passes (loaderd.readahead); 0: off.
     readahead_bytes: int = 256 << 20
 
@@ -89,6 +91,8 @@ class PrefetchConfig:
             raise ValueError(f"`depth` must be >= 0, got {self.depth}")
         if self.workers < 1:
             raise ValueError(f"`workers` must be >= 1, got {self.workers}")
+        if self.miss_procs < 0:
+            raise ValueError(f"`miss_procs` must be >= 0, got {self.miss_procs}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

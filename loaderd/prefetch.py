@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -114,15 +114,17 @@ def gather_rows(records: Sequence[Record], outs: Sequence[tuple[memoryview, int,
             out[i * width : (i + 1) * width] = memoryview(rec)[offset:end]
 
 
-class Assembler:
-    """Turns sample ids into a batch: one frame per id array, fixed field, variable part."""
+class BatchWriter:
+    """Writes a batch's frames from its records: the schema's side of assembly, no tiers.
 
-    def __init__(self, tiers: TierStack, schema: Schema) -> None:
-        self.tiers = tiers
+    The daemon's ``Assembler`` and a miss worker process (``loaderd.miss_workers``) both
+    write batches with it, so a batch has one layout wherever it is assembled.
+    """
+
+    def __init__(self, schema: Schema) -> None:
         self.schema = schema
         self.codec = RecordCodec(schema)
         self.layout = schema.layout
-        self._kinds = {f.name: f for f in schema.fields}
 
     def frame_sizes(self, n: int, var_bytes: Sequence[int] = ()) -> list[int]:
         """Byte size of each frame of an n-sample batch, in wire order.
@@ -142,16 +144,106 @@ class Assembler:
                 sizes += [8 * (n + 1), var.get(f.name, 0)]
         return sizes
 
+    def measure(self, records: Sequence[Record]) -> tuple[list[int], list[list[memoryview]]]:
+        """The frame sizes of a batch of these records, and each one's variable parts."""
+        parts: list[list[memoryview]] = []
+        var_bytes: list[int] = []
+        if self.layout.variable:
+            parts = [self.codec.variable_parts(memoryview(r)[16:]) for r in records]
+            var_bytes = [sum(p[k].nbytes for p in parts) for k in range(len(self.layout.variable))]
+        return self.frame_sizes(len(records), var_bytes), parts
+
+    def fill(
+        self,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        records: Sequence[Record],
+        parts: list[list[memoryview]],
+        frames: list[memoryview],
+    ) -> None:
+        """Copy ids, weights and each field of the records into the batch's frames."""
+        n = len(ids)
+        np.frombuffer(frames[0], np.int64)[:] = ids
+        np.frombuffer(frames[1], np.float32)[:] = weights
+        slices = {s.name: s for s in self.layout.fixed}
+        rows: list[tuple[memoryview, int, int]] = []
+        k, v = 2, 0
+        for f in self.schema.fields:
+            s = slices.get(f.name)
+            if s is not None:
+                rows.append((frames[k], s.offset, s.nbytes))
+                k += 1
+                continue
+            offsets = np.frombuffer(frames[k], np.int64)
+            offsets[0] = 0
+            np.cumsum([p[v].nbytes for p in parts], out=offsets[1:])
+            data = frames[k + 1]
+            for i, p in enumerate(parts):
+                data[int(offsets[i]) : int(offsets[i + 1])] = p[v]
+            k, v = k + 2, v + 1
+        if n:
+            gather_rows(records, rows)
+
+    def wrap(self, frames: list[memoryview], lease: Any = None) -> Batch:
+        """The batch whose frames ``fill`` wrote: arrays that view them, no copy."""
+        ids = np.frombuffer(frames[0], np.int64)
+        n = len(ids)
+        slices = {s.name: s for s in self.layout.fixed}
+        columns: dict[str, Column] = {}
+        k = 2
+        for f in self.schema.fields:
+            s = slices.get(f.name)
+            if s is not None:
+                columns[f.name] = np.frombuffer(frames[k], s.dtype).reshape(n, *s.shape)
+                k += 1
+            else:
+                columns[f.name] = VarColumn(np.frombuffer(frames[k], np.int64), frames[k + 1])
+                k += 2
+        weights = np.frombuffer(frames[1], np.float32)
+        return Batch(ids, weights, columns, frames=frames, lease=lease)
+
+
+class Elsewhere(Protocol):
+    """Assembles a batch outside this interpreter (``loaderd.miss_workers``)."""
+
+    def assemble(
+        self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
+    ) -> Batch | None:
+        """The batch, or None: not taken (assemble it here)."""
+
+
+class Assembler(BatchWriter):
+    """Turns sample ids into a batch: one frame per id array, fixed field, variable part.
+
+    Args:
+        tiers: where records come from.
+        schema: the store's schema.
+        elsewhere: takes batches that miss DRAM, to assemble them in worker processes;
+            None: every batch is assembled here.
+    """
+
+    def __init__(
+        self, tiers: TierStack, schema: Schema, elsewhere: Elsewhere | None = None
+    ) -> None:
+        super().__init__(schema)
+        self.tiers = tiers
+        self.elsewhere = elsewhere
+
     def assemble(
         self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None = None
     ) -> Batch:
         """Read and copy one batch, into memory from ``allocate`` when it has some.
 
-        A batch whose records DRAM holds skips the read's per-record steps (``resident``).
+        A batch whose records DRAM holds skips the read's per-record steps (``resident``);
+        one that misses goes to ``elsewhere`` first, if it takes it.
         """
         batch = self.assemble_resident(ids, weights, allocate)
         if batch is not None:
             return batch
+        if self.elsewhere is not None:
+            batch = self.elsewhere.assemble(ids, weights, allocate)
+            if batch is not None:
+                return batch
         with self.tiers.read(ids) as records:
             return self._build(ids, weights, records, allocate)
 
@@ -169,57 +261,17 @@ class Assembler:
         records: list[Record],
         allocate: Allocate | None,
     ) -> Batch:
-        parts: list[list[memoryview]] = []
-        var_bytes: list[int] = []
-        if self.layout.variable:
-            parts = [self.codec.variable_parts(memoryview(r)[16:]) for r in records]
-            var_bytes = [sum(p[k].nbytes for p in parts) for k in range(len(self.layout.variable))]
-        sizes = self.frame_sizes(len(ids), var_bytes)
+        sizes, parts = self.measure(records)
         placed = allocate(sizes) if allocate is not None else None
         if placed is None:
             placed = fresh(sizes)
         try:
-            return self._fill(ids, weights, records, parts, placed)
+            self.fill(ids, weights, records, parts, placed.frames)
         except BaseException:
             if placed.lease is not None:
                 placed.lease.release()
             raise
-
-    def _fill(
-        self,
-        ids: np.ndarray,
-        weights: np.ndarray,
-        records: list[Record],
-        parts: list[list[memoryview]],
-        placed: Placed,
-    ) -> Batch:
-        n = len(ids)
-        frames = placed.frames
-        out_ids = np.frombuffer(frames[0], np.int64)
-        out_ids[:] = ids
-        out_w = np.frombuffer(frames[1], np.float32)
-        out_w[:] = weights
-        slices = {s.name: s for s in self.layout.fixed}
-        columns: dict[str, Column] = {}
-        rows: list[tuple[memoryview, int, int]] = []
-        k, v = 2, 0
-        for f in self.schema.fields:
-            s = slices.get(f.name)
-            if s is not None:
-                rows.append((frames[k], s.offset, s.nbytes))
-                columns[f.name] = np.frombuffer(frames[k], s.dtype).reshape(n, *s.shape)
-                k += 1
-                continue
-            offsets = np.frombuffer(frames[k], np.int64)
-            offsets[0] = 0
-            np.cumsum([p[v].nbytes for p in parts], out=offsets[1:])
-            data = frames[k + 1]
-            for i, p in enumerate(parts):
-                data[int(offsets[i]) : int(offsets[i + 1])] = p[v]
-            columns[f.name] = VarColumn(offsets, data)
-            k, v = k + 2, v + 1
-        gather_rows(records, rows)
-        return Batch(out_ids, out_w, columns, frames=frames, lease=placed.lease)
+        return self.wrap(placed.frames, placed.lease)
 
 
 class Prefetcher:

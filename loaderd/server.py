@@ -47,6 +47,7 @@ from loaderd.job_admin import remove_job_dir, sweep
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
 from loaderd.journal import JournalWriteError
 from loaderd.limits import check_hello, check_request_size, check_rewind
+from loaderd.miss_workers import MissWorkers
 from loaderd.outbox import After, Outbox
 from loaderd.outstanding import Outstanding, still_out_in
 from loaderd.parked_opens import Group, ParkedOpens
@@ -122,6 +123,10 @@ class Server:
         self.consumers = Consumers(config.consumer_timeout_s)
         assembler = Assembler(self.tiers, self.store.schema)
         self.shm = ShmDelivery(config.shm, slot_estimate(assembler), self.consumers)
+        self.misses = MissWorkers(
+            self.tiers, assembler, config.prefetch.miss_procs, self.shm.ring_names
+        )
+        assembler.elsewhere = self.misses
         self.prefetcher = Prefetcher(
             assembler,
             config.prefetch.workers,
@@ -285,6 +290,7 @@ class Server:
             self.cluster.close()
         self.readahead.close()
         self.prefetcher.close()
+        self.misses.close()
         self.shm.close()
         durability_failure(job.close for job in self.jobs.values())
         self.snapshots.close()
@@ -711,6 +717,7 @@ class Server:
             uptime_s=time.monotonic() - self.started,
         )
         out["shm"] = self.shm.stats()
+        out["miss_workers"] = self.misses.stats()
         out["readahead"] = self.readahead.stats()
         out["placement"] = self.placement.stats()
         out["snapshots"] = self.snapshots.stats()

@@ -44,9 +44,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from loaderd.client.protocol import Buffer
@@ -62,7 +61,7 @@ from loaderd.client.shm import (
 )
 from loaderd.config import ShmConfig
 from loaderd.consumers import Consumers
-from loaderd.prefetch import Allocate, Batch, Placed
+from loaderd.prefetch import Batch, Placed
 from loaderd.shm_ring import LentRing, cleanup_stale
 
 logger = logging.getLogger(__name__)
@@ -99,6 +98,47 @@ class SlotLease:
     def release(self) -> None:
         """Give the slot back (it must still be lent to the prefetcher)."""
         self.ring.release(self.slot)
+
+
+@dataclass(frozen=True, slots=True)
+class BlankSlot:
+    """A slot lent before its batch's size is known (``loaderd.miss_workers`` fills it).
+
+    ``place`` then lays it out for the batch's frames, or ``release`` gives it back unfilled.
+    """
+
+    delivery: ShmDelivery
+    ring: LentRing
+    slot: int
+
+    def place(self, sizes: Sequence[int]) -> Placed:
+        """The slot's frames for a batch of these frame sizes (they fit: checked by the filler).
+
+        Raises:
+            ValueError: the frames do not fit in the slot.
+        """
+        return self.delivery._place(self.ring, self.slot, sizes)
+
+    def release(self) -> None:
+        """Give the slot back unfilled."""
+        self.ring.release(self.slot)
+
+
+@dataclass(frozen=True, slots=True)
+class RingAllocator:
+    """``Allocate`` from one job's ring (prefetch workers call it, and ``lend``)."""
+
+    delivery: ShmDelivery
+    ring: LentRing
+
+    def __call__(self, sizes: Sequence[int]) -> Placed | None:
+        """A slot laid out for frames of these sizes; None: they do not fit, or none is free."""
+        return self.delivery._allocate(self.ring, sizes)
+
+    def lend(self) -> BlankSlot | None:
+        """A free slot, to be laid out once its batch is measured; None: none is free."""
+        slot = self.delivery._acquire(self.ring)
+        return None if slot is None else BlankSlot(self.delivery, self.ring, slot)
 
 
 @dataclass(slots=True)
@@ -243,23 +283,33 @@ class ShmDelivery:
 
     # --- assembly (the allocator runs on prefetch workers) ------------------------------------
 
-    def allocator_for(self, key: BatchKey) -> Allocate | None:
+    def allocator_for(self, key: BatchKey) -> RingAllocator | None:
         """Where batch ``key`` is assembled: a slot of its job's ring, or None (fresh memory)."""
         ring = self._job_ring.get(key[0])
         if ring is None or not self._consumers:
             return None
-        return partial(self._allocate, ring)
+        return RingAllocator(self, ring)
 
-    def _allocate(self, ring: LentRing, sizes: list[int]) -> Placed | None:
+    def _allocate(self, ring: LentRing, sizes: Sequence[int]) -> Placed | None:
         if layout_bytes(sizes) > ring.slot_bytes:
             return None  # variable-length fields made this batch larger than a slot
+        slot = self._acquire(ring)
+        return None if slot is None else self._place(ring, slot, sizes)
+
+    def _acquire(self, ring: LentRing) -> int | None:
         slot = ring.acquire(_PREFETCH)
         if slot is None:
             self.ring_full += not ring.retired
-            return None
+        return slot
+
+    def _place(self, ring: LentRing, slot: int, sizes: Sequence[int]) -> Placed:
         desc = ring.layout(slot, sizes)
         frames = [ring.view(slot, off, n) for off, n in desc.frames]
         return Placed(frames, SlotLease(ring, slot, desc))
+
+    def ring_names(self) -> list[str]:
+        """The rings in use (a miss worker unmaps any other it still maps)."""
+        return [r.name for r in self.rings]
 
     def discard(self, batch: Batch) -> None:
         """A batch that will never be delivered: give its slot back (thread-safe)."""

@@ -83,3 +83,24 @@ class MapSlices:
     def confirmed(self) -> int:
         """Records that may be sliced."""
         return int(self._confirmed.sum())
+
+    def confirm_many(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """``confirm`` for records LMDB returned to another process at these file offsets.
+
+        A miss worker (``loaderd.miss_workers``) reads through its own map of the same file:
+        an address less its map's start is the same file offset. Any disagreement turns
+        slicing off, as in ``confirm``.
+        """
+        if not self.enabled or not len(ids):
+            return
+        ids = np.asarray(ids, np.int64)
+        starts = self._offsets[ids]
+        same = (starts == offsets) & (self._ends[ids] - starts == lengths)
+        if same.all():
+            self._confirmed[ids] = True
+            return
+        self.enabled = False
+        logger.warning(
+            "sample %d is not where the value index says: records are read through LMDB",
+            int(ids[np.argmin(same)]),
+        )

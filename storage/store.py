@@ -45,7 +45,7 @@ from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.safe_files import fsync_dir
-from loaderd.storage.syscalls import address_of
+from loaderd.storage.syscalls import address_of, mapped_at
 from loaderd.storage.value_index import ValueIndex, build_value_index
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,37 @@ class SampleStore:
                 out.append(rec)
             self._count(out)
             yield out
+
+    def file_offsets(self, views: Sequence[memoryview]) -> np.ndarray | None:
+        """Where in data.mdb each view (from ``views``) starts; None where that is unknown.
+
+        What a miss worker tells the daemon, so that the daemon may slice those records
+        from its own map (``confirm_offsets``).
+        """
+        base = self._map_start
+        if base is None:
+            return None
+        return np.fromiter((address_of(v) - base for v in views), np.int64, len(views))
+
+    @cached_property
+    def _map_start(self) -> int | None:
+        """The address of data.mdb's first byte in this process (LMDB maps the whole file)."""
+        return mapped_at(self.path / "data.mdb")
+
+    def confirm_offsets(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Records LMDB returned to another process at these file offsets and lengths.
+
+        Where the value index agrees, they are sliced from this map from now on.
+        """
+        slices = self._slices
+        if slices is not None:
+            slices.confirm_many(ids, offsets, lengths)
+
+    @property
+    def sliceable(self) -> bool:
+        """Whether records can be sliced from the map once confirmed (``map_slices.py``)."""
+        slices = self._slices
+        return slices is not None and slices.enabled
 
     def _count(self, records: list[memoryview]) -> None:
         # Statistics, not invariants: a lost increment under a race is harmless.

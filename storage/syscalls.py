@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import os
 
 import numpy as np
 
@@ -57,3 +58,19 @@ def mlock(address: int, length: int) -> int:
 def address_of(view: memoryview) -> int:
     """Where a buffer's first byte lies in this process's memory."""
     return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])  # .ctypes: slower
+
+
+def mapped_at(path: os.PathLike[str] | str) -> int | None:
+    """Where this process maps ``path`` from its first byte (``/proc/self/maps``); None: not."""
+    try:
+        st = os.stat(path)
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, _, offset, dev, inode = line.split(maxsplit=5)[:5]
+                if int(inode) == st.st_ino and int(offset, 16) == 0:
+                    major, minor = (int(x, 16) for x in dev.split(":"))
+                    if os.makedev(major, minor) == st.st_dev:
+                        return int(span.split("-")[0], 16)
+    except (OSError, ValueError):
+        return None
+    return None

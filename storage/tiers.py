@@ -177,33 +177,97 @@ class TierStack:
         self.store.advise_known(missing)  # cold pages are read together, not one by one
         with self.store.views(missing, verified=False) as views:
             got.update(zip(missing, views, strict=True))
-            with self._lock:
-                for sid in missing:
-                    if self.policy.lookup(sid) == ARENA and not self._in_arena(sid):
-                        self.policy.forget(sid)  # the arena lost it (bad checksum, ring)
-                moves: list[Move] = []
-                access = self.policy.access
-                for sid in keys:
-                    moves += access(sid, len(got[sid]), found.get(sid))
-                    found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
-            self._verify(missing, got)
-            if moves:
-                # Locking pages (or copying) for DRAM is the slow part of an admission: done
-                # before taking the lock, so that assembly threads overlap it; with a queue,
-                # records large enough to be locked are left to it (a small one's copy costs
-                # less than queueing it).
-                admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
-                if self._admissions is not None:
-                    admits = dict.fromkeys(s for s in admits if len(got[s]) < PIN_MIN_BYTES)
-                held = {s: self.dram.hold(got[s]) for s in admits}
-                try:
-                    with self._lock:
-                        self._apply(moves, got, held)
-                finally:
-                    for _, unpin in held.values():  # not taken by the tier
-                        if unpin is not None:
-                            unpin()
+            self._account(keys, missing, got, found, verify=True)
             yield [got[sid] for sid in keys]
+
+    def readable_elsewhere(self, ids: np.ndarray) -> bool:
+        """Whether another process may read this batch from the store (``read_elsewhere``).
+
+        So it may when no record of it lies in the arena (its bytes are there, maybe not in
+        the store's pages) and the store can slice the records it reads for DRAM.
+        """
+        if not self.store.sliceable:
+            return False
+        if self.arena is None:
+            return True
+        with self._lock:
+            return not bool((self.policy.lookup_many(ids) == ARENA).any())
+
+    def read_elsewhere(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Account for a batch that another process read from the store and verified.
+
+        The records are counted where the policy finds them now (a DRAM record was read
+        from the store's pages all the same), and those it admits into DRAM are this
+        process's slices of the same pages, at the file offsets the reader saw
+        (``SampleStore.confirm_offsets``): no second read, no second checksum.
+
+        Args:
+            ids: the batch's sample ids, in order.
+            offsets: where the reader found each record in data.mdb (file offsets).
+            lengths: each record's length.
+        """
+        keys = ids.tolist()
+        sizes = dict(zip(keys, lengths.tolist(), strict=True))
+        found: dict[int, int | None] = {}
+        with self._lock:
+            lookup = self.policy.lookup
+            for sid in sizes:
+                tier = lookup(sid)
+                if tier is not None:
+                    found[sid] = tier
+        missing = [sid for sid in sizes if sid not in found]
+        pos = {sid: i for i, sid in enumerate(keys)}
+        at = np.fromiter((pos[s] for s in missing), np.int64, len(missing))
+        self.store.confirm_offsets(np.asarray(missing, np.int64), offsets[at], lengths[at])
+        with self.store.views(missing, verified=False) as views:
+            got: dict[int, Record] = dict(zip(missing, views, strict=True))
+            self._account(keys, missing, got, found, sizes=sizes)
+
+    def _account(
+        self,
+        keys: list[int],
+        missing: list[int],
+        got: dict[int, Record],
+        found: dict[int, int | None],
+        *,
+        verify: bool = False,
+        sizes: dict[int, int] | None = None,
+    ) -> None:
+        """Tell the policy of a read's accesses and carry out its moves.
+
+        ``got`` holds the records read from the store (``missing``: views valid during the
+        call) and those found in a tier (by id; ``sizes`` gives the length of any not in
+        ``got``), ``found`` where each was found. ``verify``: check the store's records.
+        """
+        with self._lock:
+            for sid in missing:
+                if self.policy.lookup(sid) == ARENA and not self._in_arena(sid):
+                    self.policy.forget(sid)  # the arena lost it (bad checksum, ring)
+            moves: list[Move] = []
+            access = self.policy.access
+            for sid in keys:
+                rec = got.get(sid)
+                size = len(rec) if rec is not None else sizes[sid] if sizes else 0
+                moves += access(sid, size, found.get(sid))
+                found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
+        if verify:
+            self._verify(missing, got)
+        if moves:
+            # Locking pages (or copying) for DRAM is the slow part of an admission: done
+            # before taking the lock, so that assembly threads overlap it; with a queue,
+            # records large enough to be locked are left to it (a small one's copy costs
+            # less than queueing it).
+            admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
+            if self._admissions is not None:
+                admits = dict.fromkeys(s for s in admits if len(got[s]) < PIN_MIN_BYTES)
+            held = {s: self.dram.hold(got[s]) for s in admits}
+            try:
+                with self._lock:
+                    self._apply(moves, got, held)
+            finally:
+                for _, unpin in held.values():  # not taken by the tier
+                    if unpin is not None:
+                        unpin()
 
     def resident(self, ids: np.ndarray) -> list[Record] | None:
         """Records for ids, in order, when DRAM holds every one; else None, nothing counted.

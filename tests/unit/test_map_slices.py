@@ -56,3 +56,30 @@ def test_an_index_that_disagrees_with_lmdb_turns_slicing_off(store_path: Path) -
                 assert [bytes(v) for v in views] == [want[2], want[4]]  # never sample 2's
         slices = store._slices
         assert slices is not None and not slices.enabled and slices.sliced == 0
+
+
+def test_offsets_another_process_saw_confirm_records_or_turn_slicing_off(
+    store_path: Path,
+) -> None:
+    want = stored(store_path)
+    ids = np.arange(10, 30)
+    # ``reader`` plays a miss worker: its own map, at its own address.
+    with SampleStore(store_path) as reader, reader.views(ids) as views:
+        offsets = reader.file_offsets(views)
+        lengths = np.array([v.nbytes for v in views])
+    assert offsets is not None
+    with SampleStore(store_path) as store:
+        index = store.value_index
+        assert index is not None
+        np.testing.assert_array_equal(offsets, index.offsets[ids])
+        store.confirm_offsets(ids, offsets, lengths)
+        slices = store._slices
+        assert slices is not None and slices.confirmed == 20
+        with store.views(ids) as views:  # sliced, without a call into LMDB
+            assert [bytes(v) for v in views] == [want[i] for i in ids]
+        assert slices.sliced == 20
+        offsets[3] += 8  # a reader that saw record 13 elsewhere: the index is in doubt
+        store.confirm_offsets(ids, offsets, lengths)
+        assert not slices.enabled and not store.sliceable
+        with store.views(ids) as views:
+            assert [bytes(v) for v in views] == [want[i] for i in ids]

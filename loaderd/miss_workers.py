@@ -1,0 +1,326 @@
+"""Batches that miss DRAM, assembled in worker processes beside the daemon's interpreter.
+
+A miss costs reads through LMDB, checksums and copies. In the daemon they share one GIL with
+the server loop, the read-ahead and DRAM admission, and the threads' waits to win it back
+cost more than the work: a warm miss used about 100 us of daemon CPU per 100 KB record where
+the work itself takes 17 (``benchmarks/bench_miss_workers.py``: one thread 60k records/s,
+two threads 46k, two processes 104k). So a batch bound for a shared-memory ring that misses
+DRAM is read, verified and copied into its slot by a worker process that opens the same store
+read-only and maps the same ring. The daemon lends the slot, and afterwards accounts for the
+read (``TierStack.read_elsewhere``): hits and misses as the policy sees them, and DRAM
+admission of the records at the file offsets the worker found them at, sliced from the
+daemon's own map of the same pages (no second read, no second checksum).
+
+Everything else is assembled in the daemon as before, with the same bytes and the same
+errors: a batch for the socket, one with records in the NVRAM arena, one larger than its
+slot, one a worker failed on (a bad record is then reported by the daemon's own read), or a
+batch whose worker died (it is started again for the next one; after ``_MAX_FAILED_STARTS``
+failed starts in a row the pool turns itself off). A worker exits when its socket to the
+daemon closes, so it never outlives the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from loaderd.client.shm import ShmRing, layout_bytes, slot_layout
+from loaderd.prefetch import Allocate, Batch, BatchWriter
+from loaderd.shm_delivery import RingAllocator
+from loaderd.storage.store import SampleStore
+from loaderd.storage.tiers import TierStack
+
+logger = logging.getLogger(__name__)
+
+_MAX_FAILED_STARTS = 3
+
+
+@dataclass(slots=True)
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    conn: Connection
+
+    def call(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+        self.conn.send(request)
+        reply: tuple[Any, ...] = self.conn.recv()
+        return reply
+
+    def stop(self) -> None:
+        self.conn.close()  # the worker sees EOF and exits
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class MissWorkers:
+    """Up to ``procs`` worker processes that assemble misses into ring slots (``Elsewhere``).
+
+    Workers start on the first batch that needs one. Thread-safe: each prefetch thread
+    takes an idle worker for one batch (or waits for one).
+
+    Args:
+        tiers: the daemon's tier stack (what may go to a worker, and the accounting after).
+        writer: the batch layout (the daemon's ``Assembler``).
+        procs: workers at most; 0: none (every batch is assembled in the daemon).
+        rings: the names of the rings in use (a worker unmaps the others).
+    """
+
+    def __init__(
+        self,
+        tiers: TierStack,
+        writer: BatchWriter,
+        procs: int,
+        rings: Callable[[], Sequence[str]],
+    ) -> None:
+        if procs < 0:
+            raise ValueError(f"`miss_procs` must be >= 0, got {procs}")
+        self._tiers = tiers
+        self._writer = writer
+        self.procs = procs
+        self._rings = rings
+        self._cond = threading.Condition()
+        self._idle: list[_Worker] = []
+        self._all: list[_Worker] = []
+        self._starting = 0
+        self._failed_starts = 0
+        self._closed = False
+        self.batches = 0  # assembled by a worker
+        self.fallbacks = 0  # given to a worker, assembled by the daemon after all
+        self.started = 0  # worker processes started
+        self.lost = 0  # worker processes that died or broke their socket
+
+    @property
+    def enabled(self) -> bool:
+        """Whether batches go to workers (off: none allowed, or they failed to start)."""
+        return self.procs > 0 and self._failed_starts < _MAX_FAILED_STARTS and not self._closed
+
+    def assemble(
+        self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
+    ) -> Batch | None:
+        """Have a worker assemble this batch into a ring slot; None: not taken.
+
+        Not taken, the daemon assembles it (``Assembler.assemble``): a batch not bound for a
+        ring, one the store cannot hand to another process (``TierStack.readable_elsewhere``),
+        a full ring, or a worker that failed on it or died.
+        """
+        if not isinstance(allocate, RingAllocator) or not len(ids) or not self.enabled:
+            return None
+        if not self._tiers.readable_elsewhere(ids):
+            return None
+        blank = allocate.lend()
+        if blank is None:
+            return None
+        try:
+            batch = self._assemble(ids, weights, blank.ring.name, blank.slot, blank.place)
+        except BaseException:
+            blank.release()
+            raise
+        if batch is None:
+            blank.release()
+            self.fallbacks += 1
+        return batch
+
+    def _assemble(
+        self,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        ring: str,
+        slot: int,
+        place: Callable[[Sequence[int]], Any],
+    ) -> Batch | None:
+        worker = self._take()
+        if worker is None:
+            return None
+        self._tiers.store.advise_known(ids.tolist())  # a cold batch's reads go out together
+        try:
+            reply = worker.call((ring, slot, ids, weights, tuple(self._rings())))
+        except (EOFError, OSError):
+            self._lose(worker)
+            return None
+        self._give(worker)
+        if reply[0] != "ok":
+            logger.debug("a miss worker did not assemble a batch: %s", reply[1])
+            return None
+        _, sizes, offsets, lengths = reply
+        placed = place(sizes)
+        self._tiers.read_elsewhere(ids, offsets, lengths)
+        self.batches += 1
+        return self._writer.wrap(placed.frames, placed.lease)
+
+    # --- the processes ------------------------------------------------------------------------
+
+    def _take(self) -> _Worker | None:
+        """An idle worker, a new one if fewer than ``procs`` run, else the next one freed."""
+        with self._cond:
+            while True:
+                if not self.enabled:
+                    return None
+                if self._idle:
+                    return self._idle.pop()
+                if len(self._all) + self._starting < self.procs:
+                    self._starting += 1
+                    break
+                self._cond.wait()
+        worker = None
+        try:
+            worker = self._start()
+        finally:
+            with self._cond:
+                self._starting -= 1
+                if worker is None:
+                    self._failed_starts += 1
+                else:
+                    self._failed_starts = 0
+                    self._all.append(worker)
+                self._cond.notify_all()
+        return worker
+
+    def _start(self) -> _Worker | None:
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "loaderd.miss_workers", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "LOADERD_STORE": str(self._tiers.store.path)},
+            )
+        except OSError as e:
+            ours.close()
+            logger.warning("cannot start a miss worker: %s", e)
+            return None
+        finally:
+            theirs.close()
+        worker = _Worker(proc, Connection(ours.detach()))
+        try:
+            hello = worker.conn.recv()
+        except (EOFError, OSError):
+            hello = ("error", f"it exited with status {proc.wait()}")
+        if hello[0] != "ready":
+            logger.warning("a miss worker failed to start: %s", hello[1])
+            worker.stop()
+            return None
+        self.started += 1
+        logger.info("miss worker %d started", proc.pid)
+        return worker
+
+    def _give(self, worker: _Worker) -> None:
+        with self._cond:
+            if self._closed:
+                worker.stop()
+                return
+            self._idle.append(worker)
+            self._cond.notify()
+
+    def _lose(self, worker: _Worker) -> None:
+        logger.warning("miss worker %d is gone (status %s)", worker.proc.pid, worker.proc.poll())
+        self.lost += 1
+        with self._cond:
+            if worker in self._all:
+                self._all.remove(worker)
+            self._cond.notify_all()
+        worker.stop()
+
+    def pids(self) -> list[int]:
+        """The worker processes' pids (for stats and tests)."""
+        with self._cond:
+            return [w.proc.pid for w in self._all]
+
+    def stats(self) -> dict[str, Any]:
+        """The ``miss_workers`` entry of the prefetch stats."""
+        pids = self.pids()
+        return {
+            "procs": self.procs,
+            "enabled": self.enabled,
+            "running": len(pids),
+            "pids": pids,
+            "started": self.started,
+            "lost": self.lost,
+            "batches": self.batches,
+            "fallbacks": self.fallbacks,
+        }
+
+    def close(self) -> None:
+        """Stop the workers (busy ones when their batch is done); safe to call twice."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for worker in idle:
+            worker.stop()
+
+
+# --- the worker process -------------------------------------------------------------------------
+
+
+def _fill(
+    store: SampleStore,
+    writer: BatchWriter,
+    ring: ShmRing,
+    slot: int,
+    ids: np.ndarray,
+    weights: np.ndarray,
+) -> tuple[Any, ...]:
+    """Read, verify and copy one batch into a slot; ("ok", sizes, offsets, lengths)."""
+    with store.views(ids) as records:
+        sizes, parts = writer.measure(records)
+        if layout_bytes(sizes) > ring.slot_bytes:
+            return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
+        frames = [ring.view(slot, off, n) for off, n in slot_layout(sizes)]
+        writer.fill(ids, weights, records, parts, frames)
+        offsets = store.file_offsets(records)
+        if offsets is None:
+            offsets = np.full(len(ids), -1, np.int64)  # the daemon then reads them itself
+        lengths = np.fromiter((r.nbytes for r in records), np.int64, len(ids))
+    return ("ok", sizes, offsets, lengths)
+
+
+def serve(conn: Connection, store_path: str) -> None:
+    """A worker's loop: batches in, ("ok", ...) or (reason, message) out, until EOF."""
+    try:
+        store = SampleStore(store_path)
+        writer = BatchWriter(store.schema)
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+    rings: dict[str, ShmRing] = {}
+    while True:
+        try:
+            ring_name, slot, ids, weights, live = conn.recv()
+        except (EOFError, OSError):
+            break
+        for name in [n for n in rings if n not in live]:
+            rings.pop(name).close()
+        try:
+            ring = rings.get(ring_name)
+            if ring is None:
+                ring = rings[ring_name] = ShmRing.attach(ring_name)
+            reply = _fill(store, writer, ring, slot, ids, weights)
+        except Exception as e:
+            reply = ("error", f"{type(e).__name__}: {e}")
+        conn.send(reply)
+    for ring in rings.values():
+        ring.close()
+    store.close()
+
+
+def main() -> None:
+    """``python -m loaderd.miss_workers FD``: serve the daemon on socket FD."""
+    logging.basicConfig(level=logging.WARNING, format="miss worker %(process)d: %(message)s")
+    serve(Connection(int(sys.argv[1])), os.environ["LOADERD_STORE"])
+
+
+if __name__ == "__main__":
+    main()

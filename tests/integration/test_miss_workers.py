@@ -1,0 +1,78 @@
+"""Batches that miss DRAM, assembled by worker processes: the store's bytes, DRAM admission
+behind them, a worker killed mid-epoch, and workers that never outlive their daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loaderd.client import LoaderdDataset
+from loaderd.shm_ring import process_alive
+from tests.helpers import Daemon, wait_until
+from tests.integration.test_datapath import N, admitted, check_epoch, stats, store
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["store"]  # the module's store fixture, shared
+
+
+@pytest.mark.parametrize("procs", [2, 0])
+def test_misses_from_worker_processes_are_the_stores_bytes(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path, procs: int
+) -> None:
+    # DRAM holds about half of the store: every epoch has batches that miss.
+    extra = ["--dram-bytes", "1MiB", "--miss-procs", str(procs)]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="miss", batch_size=10)
+        for _ in range(3):
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))
+            admitted(d.address)
+        s = stats(d.address)
+        workers, dram = s["miss_workers"], s["tiers"][0]
+        assert workers["fallbacks"] == 0 and workers["lost"] == 0
+        if procs:
+            assert workers["batches"] > 0 and 1 <= workers["started"] <= procs
+        else:
+            assert workers["batches"] == workers["started"] == workers["running"] == 0
+        # The records the workers read were admitted into DRAM, and hit there later.
+        assert dram["items"] > 0 and dram["hits"] > 0
+        assert s["backing"]["reads"] == dram["misses"]
+        ds.close()
+
+
+def test_a_killed_miss_worker_is_replaced_and_no_sample_is_lost(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    extra = ["--dram-bytes", "256KiB", "--prefetch", "1"]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="kill", batch_size=8)
+        assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        before = stats(d.address)["miss_workers"]
+        assert before["pids"]
+        for pid in before["pids"]:
+            os.kill(pid, signal.SIGKILL)
+        assert sorted(check_epoch(ds, store[1])) == list(range(N))  # exactly once, exact bytes
+        after = stats(d.address)["miss_workers"]
+        assert after["lost"] >= 1 and after["started"] > before["started"]
+        assert after["batches"] > before["batches"] and after["enabled"]
+        assert not set(after["pids"]) & set(before["pids"])
+        ds.close()
+
+
+def test_miss_workers_exit_with_their_daemon(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    d = Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "256KiB"])
+    with d:
+        ds = LoaderdDataset(d.address, job="exit", batch_size=8)
+        check_epoch(ds, store[1])
+        pids = stats(d.address)["miss_workers"]["pids"]
+        assert pids
+        ds.close()
+        d.kill()  # SIGKILL: no shutdown code runs
+        for pid in pids:
+            wait_until(lambda pid=pid: not process_alive(pid), what=f"miss worker {pid} to exit")
