@@ -36,13 +36,15 @@ import numpy as np
 
 from loaderd.client.shm import ShmRing, layout_bytes, slot_layout
 from loaderd.prefetch import Allocate, Batch, BatchWriter
-from loaderd.shm_delivery import RingAllocator
+from loaderd.shm_delivery import BlankSlot, RingAllocator
 from loaderd.storage.store import SampleStore
 from loaderd.storage.tiers import TierStack
 
 logger = logging.getLogger(__name__)
 
 _MAX_FAILED_STARTS = 3
+# A worker copies and hashes on its own thread: numpy's BLAS threads would only spin.
+_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass(slots=True)
@@ -67,8 +69,9 @@ class _Worker:
 class MissWorkers:
     """Up to ``procs`` worker processes that assemble misses into ring slots (``Elsewhere``).
 
-    Workers start on the first batch that needs one. Thread-safe: each prefetch thread
-    takes an idle worker for one batch (or waits for one).
+    Workers start in the background when a shared-memory consumer first says HELLO, or
+    when a batch finds fewer than ``procs`` (the daemon assembles until one is ready).
+    Thread-safe: each prefetch thread takes an idle worker for one batch, or waits for one.
 
     Args:
         tiers: the daemon's tier stack (what may go to a worker, and the accounting after).
@@ -119,11 +122,15 @@ class MissWorkers:
             return None
         if not self._tiers.readable_elsewhere(ids):
             return None
+        worker = self._take()
+        if worker is None:
+            return None
         blank = allocate.lend()
         if blank is None:
+            self._give(worker)
             return None
         try:
-            batch = self._assemble(ids, weights, blank.ring.name, blank.slot, blank.place)
+            batch = self._assemble(worker, ids, weights, blank)
         except BaseException:
             blank.release()
             raise
@@ -133,19 +140,11 @@ class MissWorkers:
         return batch
 
     def _assemble(
-        self,
-        ids: np.ndarray,
-        weights: np.ndarray,
-        ring: str,
-        slot: int,
-        place: Callable[[Sequence[int]], Any],
+        self, worker: _Worker, ids: np.ndarray, weights: np.ndarray, blank: BlankSlot
     ) -> Batch | None:
-        worker = self._take()
-        if worker is None:
-            return None
         self._tiers.store.advise_known(ids.tolist())  # a cold batch's reads go out together
         try:
-            reply = worker.call((ring, slot, ids, weights, tuple(self._rings())))
+            reply = worker.call((blank.ring.name, blank.slot, ids, weights, tuple(self._rings())))
         except (EOFError, OSError):
             self._lose(worker)
             return None
@@ -154,15 +153,31 @@ class MissWorkers:
             logger.debug("a miss worker did not assemble a batch: %s", reply[1])
             return None
         _, sizes, offsets, lengths = reply
-        placed = place(sizes)
+        placed = blank.place(sizes)
         self._tiers.read_elsewhere(ids, offsets, lengths)
         self.batches += 1
         return self._writer.wrap(placed.frames, placed.lease)
 
     # --- the processes ------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the workers not running, in the background (a shm consumer said HELLO)."""
+        with self._cond:
+            while self.enabled and len(self._all) + self._starting < self.procs:
+                self._start_one()
+
+    def _start_one(self) -> None:
+        """Start one more worker on a thread of its own (the condition is held)."""
+        self._starting += 1
+        threading.Thread(target=self._add, name="loaderd-miss-start", daemon=True).start()
+
     def _take(self) -> _Worker | None:
-        """An idle worker, a new one if fewer than ``procs`` run, else the next one freed."""
+        """An idle worker, or the next one freed; None while none has started yet.
+
+        Fewer than ``procs`` running (one died), one more is started in the background
+        (a process start takes a good part of a second): the batches meanwhile are the
+        daemon's.
+        """
         with self._cond:
             while True:
                 if not self.enabled:
@@ -170,9 +185,13 @@ class MissWorkers:
                 if self._idle:
                     return self._idle.pop()
                 if len(self._all) + self._starting < self.procs:
-                    self._starting += 1
-                    break
+                    self._start_one()
+                    return None
+                if not self._all:
+                    return None  # still starting
                 self._cond.wait()
+
+    def _add(self) -> None:
         worker = None
         try:
             worker = self._start()
@@ -181,11 +200,13 @@ class MissWorkers:
                 self._starting -= 1
                 if worker is None:
                     self._failed_starts += 1
+                elif self._closed:
+                    worker.stop()
                 else:
                     self._failed_starts = 0
                     self._all.append(worker)
+                    self._idle.append(worker)
                 self._cond.notify_all()
-        return worker
 
     def _start(self) -> _Worker | None:
         ours, theirs = socket.socketpair()
@@ -194,7 +215,7 @@ class MissWorkers:
                 [sys.executable, "-m", "loaderd.miss_workers", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "LOADERD_STORE": str(self._tiers.store.path)},
+                env={**os.environ, **_ONE_THREAD, "LOADERD_STORE": str(self._tiers.store.path)},
             )
         except OSError as e:
             ours.close()

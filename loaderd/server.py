@@ -440,6 +440,9 @@ class Server:
         job.last_active = time.time()
         job.check_rank(m["rank"])
         self.consumers.hello(identity, m.get("pid"), m.get("pidns"), self._local)
+        shm = self.shm.hello(identity, m, spec.batch_size)
+        if shm:
+            self.misses.start()  # a process start takes a while: begin before the first miss
         return Message(
             MsgType.WELCOME,
             msg.request_id,
@@ -447,7 +450,7 @@ class Server:
                 "schema": [s.to_json() for s in self.schema],
                 "num_samples": self.store.num_samples,
                 "job": asdict(job.spec),
-                **self.shm.hello(identity, m, spec.batch_size),
+                **shm,
             },
         )
 

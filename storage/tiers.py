@@ -184,9 +184,10 @@ class TierStack:
         """Whether another process may read this batch from the store (``read_elsewhere``).
 
         So it may when no record of it lies in the arena (its bytes are there, maybe not in
-        the store's pages) and the store can slice the records it reads for DRAM.
+        the store's pages) and the store can slice the records it reads for DRAM, and map
+        their pages (a lock of pages never mapped here would hold nothing).
         """
-        if not self.store.sliceable:
+        if not (self.store.sliceable and self.store.prefaulting):
             return False
         if self.arena is None:
             return True
@@ -218,7 +219,11 @@ class TierStack:
         missing = [sid for sid in sizes if sid not in found]
         pos = {sid: i for i, sid in enumerate(keys)}
         at = np.fromiter((pos[s] for s in missing), np.int64, len(missing))
-        self.store.confirm_offsets(np.asarray(missing, np.int64), offsets[at], lengths[at])
+        miss = np.asarray(missing, np.int64)
+        self.store.confirm_offsets(miss, offsets[at], lengths[at])
+        # The worker mapped the pages, not this process: DRAM admission locks pages mapped
+        # here (``MLOCK_ONFAULT``). The read-ahead has mapped most already; this maps the rest.
+        self.store.prefault(miss)
         with self.store.views(missing, verified=False) as views:
             got: dict[int, Record] = dict(zip(missing, views, strict=True))
             self._account(keys, missing, got, found, sizes=sizes)

@@ -31,6 +31,10 @@ def test_misses_from_worker_processes_are_the_stores_bytes(
         for _ in range(3):
             assert sorted(check_epoch(ds, store[1])) == list(range(N))
             admitted(d.address)
+        if procs:  # workers start while the daemon serves the first batches itself
+            wait_until(lambda: stats(d.address)["miss_workers"]["running"] == procs)
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))
+            admitted(d.address)
         s = stats(d.address)
         workers, dram = s["miss_workers"], s["tiers"][0]
         assert workers["fallbacks"] == 0 and workers["lost"] == 0
@@ -51,15 +55,19 @@ def test_a_killed_miss_worker_is_replaced_and_no_sample_is_lost(
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
         ds = LoaderdDataset(d.address, job="kill", batch_size=8)
         assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
         before = stats(d.address)["miss_workers"]
         assert before["pids"]
         for pid in before["pids"]:
             os.kill(pid, signal.SIGKILL)
-        assert sorted(check_epoch(ds, store[1])) == list(range(N))  # exactly once, exact bytes
-        after = stats(d.address)["miss_workers"]
-        assert after["lost"] >= 1 and after["started"] > before["started"]
-        assert after["batches"] > before["batches"] and after["enabled"]
-        assert not set(after["pids"]) & set(before["pids"])
+        for _ in range(20):  # the daemon serves while new workers start
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))  # exactly once, exact
+            after = stats(d.address)["miss_workers"]
+            if after["started"] > before["started"] and after["batches"] > before["batches"]:
+                break
+        assert after["lost"] >= 1 and after["fallbacks"] >= 1 and after["enabled"]
+        assert after["batches"] > before["batches"], "new workers took batches again"
+        assert after["pids"] and not set(after["pids"]) & set(before["pids"])
         ds.close()
 
 
@@ -70,6 +78,7 @@ def test_miss_workers_exit_with_their_daemon(
     with d:
         ds = LoaderdDataset(d.address, job="exit", batch_size=8)
         check_epoch(ds, store[1])
+        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
         pids = stats(d.address)["miss_workers"]["pids"]
         assert pids
         ds.close()
