@@ -15,6 +15,7 @@ directory that looks like a complete store.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
@@ -45,7 +46,7 @@ from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.safe_files import fsync_dir
-from loaderd.storage.syscalls import address_of, mapped_at
+from loaderd.storage.syscalls import address_of, mapped_at, mlock_onfault
 from loaderd.storage.value_index import ValueIndex, build_value_index
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class SampleStore:
         self._fd_lock = threading.Lock()  # the read-ahead and assembly threads both advise
         self._psize = int(self._env.stat()["psize"])
         self._locks = PageLocks()
+        self._map_locked: tuple[int, int] | None = None  # [start, end) locked (``lock_map``)
 
     def get(self, sample_id: int) -> bytes:
         """One verified record.
@@ -387,11 +389,18 @@ class SampleStore:
         right after their 16-byte page header; a smaller value shares a leaf page, which is
         not locked (None: the caller copies it). Below ``PIN_MIN_BYTES`` a copy is cheaper
         than the system call (measured: ``mlock`` ~8 us, a copy into fresh memory ~0.6 us per
-        KiB), so those are copied too.
+        KiB), so those are copied too (and copies packed together serve hits faster than
+        views spread over leaf pages). Once the whole map is locked (``lock_map``), a larger
+        record is held as it is, without a system call.
         """
-        if not self._locks.enabled or record.nbytes < PIN_MIN_BYTES:
+        if record.nbytes < PIN_MIN_BYTES:
             return None
         address = address_of(record)
+        whole = self._map_locked
+        if whole is not None:
+            return _still_locked if whole[0] <= address < whole[1] else None
+        if not self._locks.enabled:
+            return None
         if address % self._psize != _OVERFLOW_HEADER:
             return None
         start = address - _OVERFLOW_HEADER
@@ -399,6 +408,39 @@ class SampleStore:
         if not self._locks.lock(start, length):
             return None
         return partial(self._locks.unlock, start, length)
+
+    def lock_map(self) -> bool:
+        """Lock every page of data.mdb this process maps, now and as it maps more.
+
+        For a DRAM tier that can hold the whole store: ``pin`` then holds any record of the
+        map without a system call (``mlock`` per record, and the split of the map it
+        costs, was the largest part of a first epoch's admissions).
+        ``mlock2(MLOCK_ONFAULT)`` reads nothing: pages are locked as a read or a
+        prefault maps them, so at most the file is locked. False where the kernel refuses
+        (``RLIMIT_MEMLOCK``, no ``mlock2``): records are locked one by one instead.
+        """
+        base = self._map_start
+        size = -(-self.file_bytes // self._psize) * self._psize
+        if base is None or mlock_onfault(base, size) != 0:
+            err = ctypes.get_errno() if base is not None else 0
+            logger.info(
+                "store %s: cannot lock its map in RAM (%s): records are locked one by one",
+                self.path,
+                os.strerror(err) if err else "map not found",
+            )
+            return False
+        self._map_locked = (base, base + size)
+        return True
+
+    @property
+    def map_locked(self) -> bool:
+        """Whether ``lock_map`` locked the whole map."""
+        return self._map_locked is not None
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of data.mdb."""
+        return os.stat(self.path / "data.mdb").st_size
 
     @property
     def locked_bytes(self) -> int:
@@ -868,3 +910,7 @@ def _check_replaceable(path: Path) -> None:
             f"{path} exists and is not a loaderd store (it holds {sorted(names)[:5]}); "
             "not replacing it"
         )
+
+
+def _still_locked() -> None:
+    """``pin``'s unlock for a record of a map locked whole: nothing to undo."""

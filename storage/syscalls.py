@@ -45,6 +45,17 @@ mincore.argtypes, mincore.restype = (
 madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
 
 
+def mlock_onfault(address: int, length: int) -> int:
+    """Lock a range's pages as they are mapped, reading none (0, or -1 with ``errno`` set).
+
+    Unlike ``mlock`` there is no fallback: a plain ``mlock`` would read the whole range.
+    """
+    if _mlock2 is None:
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+    return int(_mlock2(address, length, MLOCK_ONFAULT))
+
+
 def mlock(address: int, length: int) -> int:
     """Lock the mapped pages of a range that was just read (0, or -1 with ``errno`` set)."""
     if _mlock2 is not None:

@@ -99,6 +99,8 @@ class TierStack:
                 recency=self.policy.overfills_dram,
             )
         )
+        if lock_pages and self.dram.capacity_bytes >= store.file_bytes and store.num_samples:
+            store.lock_map()  # DRAM can hold it all: no lock per record (``lock_map``)
         self._lock = threading.Lock()
         self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
         self._pending: dict[int, bytes] = {}  # queued for the arena, served from here
@@ -579,7 +581,11 @@ class TierStack:
             "placements": self.placements,
         }
         # Records held as the store's pages locked in RAM, not copies (``SampleStore.pin``).
-        tiers[DRAM].update(pinned=self.dram.pinned, locked_bytes=self.store.locked_bytes)
+        tiers[DRAM].update(
+            pinned=self.dram.pinned,
+            locked_bytes=self.store.locked_bytes,
+            map_locked=self.store.map_locked,
+        )
         if self._admissions is not None:
             tiers[DRAM].update(self._admissions.stats(), admitted_late=self.admitted_late)
         return {

@@ -276,3 +276,24 @@ def test_dram_holds_large_store_records_as_locked_views(store_path: Path) -> Non
         dram.put(big, store.views([big]).__enter__()[0])
         dram.clear()
         assert store.locked_bytes == 0 and len(dram) == 0
+
+
+def test_a_store_locked_whole_holds_every_record_without_a_lock_each(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        if not store.lock_map():
+            pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
+        big, small = 1, 0
+        with store.views([big, small]) as (vbig, vsmall):
+            want = bytes(vbig), bytes(vsmall)
+            dram = DramCache(1 << 20, pin=store.pin)
+            assert dram.put(big, vbig) and dram.put(small, vsmall)
+        # The large one is a view of the map, locked without a lock of its own; the small
+        # one a copy, as before (copies packed together serve hits faster).
+        assert isinstance(dram.get(big), memoryview) and isinstance(dram.get(small), bytes)
+        assert (bytes(dram.get(big) or b""), dram.get(small)) == want
+        assert dram.pinned == 1 and store.locked_bytes == 0 and store.map_locked
+        locked = _locked_kib(store_path / "data.mdb") * 1024
+        assert locked >= len(want[0])  # the pages the read mapped, by the kernel's count
+        assert locked < store.file_bytes  # and only those: nothing was read for the lock
+        outside = memoryview(bytearray(want[0]))  # not the store's: copied
+        assert DramCache(1 << 20, pin=store.pin).hold(outside)[1] is None
