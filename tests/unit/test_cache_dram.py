@@ -239,7 +239,9 @@ def test_admission_queue_admits_after_the_read_and_locks_nothing_it_forgets(
     # the read returned; a second read is then served from DRAM without touching the store.
     path, truth = big_store(tmp_path, 40, 40)
     store = SampleStore(path)
-    stack = TierStack(store, len(truth[0]) * 50, admit_queue_bytes=8 << 20)
+    # Room for every record, not for the whole file: records are locked one by one.
+    stack = TierStack(store, store.file_bytes - 1, admit_queue_bytes=8 << 20)
+    assert not store.map_locked
     try:
         ids = np.arange(40)
         assert stack.get_many(ids) == truth  # served from the views it was read from
@@ -256,6 +258,26 @@ def test_admission_queue_admits_after_the_read_and_locks_nothing_it_forgets(
     finally:
         stack.close()
     assert store.locked_bytes == 0
+
+
+def test_a_dram_tier_that_holds_the_whole_store_locks_its_map_once(tmp_path: Path) -> None:
+    path, truth = big_store(tmp_path, 40, 40)
+    store = SampleStore(path)
+    stack = TierStack(store, store.file_bytes, admit_queue_bytes=8 << 20)
+    try:
+        if not store.map_locked:
+            pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
+        ids = np.arange(40)
+        assert stack.get_many(ids) == truth
+        assert stack.settle()
+        reads = stack.stats()["backing"]["reads"]
+        assert stack.get_many(ids[::-1]) == truth[::-1]
+        dram = stack.stats()["tiers"][0]
+        assert stack.stats()["backing"]["reads"] == reads and dram["hits"] == 40
+        # Held as views of the locked map: no lock of their own.
+        assert dram["pinned"] == 40 and dram["map_locked"] and dram["locked_bytes"] == 0
+    finally:
+        stack.close()
 
 
 def test_a_full_admission_queue_drops_and_the_policy_forgets(tmp_path: Path) -> None:
