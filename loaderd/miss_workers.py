@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
-import subprocess
-import sys
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -43,13 +43,11 @@ from loaderd.storage.tiers import TierStack
 logger = logging.getLogger(__name__)
 
 _MAX_FAILED_STARTS = 3
-# A worker copies and hashes on its own thread: numpy's BLAS threads would only spin.
-_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass(slots=True)
 class _Worker:
-    proc: subprocess.Popen[bytes]
+    pid: int
     conn: Connection
 
     def call(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -58,12 +56,62 @@ class _Worker:
         return reply
 
     def stop(self) -> None:
-        self.conn.close()  # the worker sees EOF and exits
+        """Close its socket: the worker sees EOF and exits (its parent reaps it)."""
+        self.conn.close()
+
+
+class Forker:
+    """A process forked before the daemon starts a thread, that forks miss workers for it.
+
+    A worker started as a new Python process imports numpy and pyarrow again: about half a
+    second of CPU. Forked from this one, which has them imported already, it starts in a
+    few milliseconds. The daemon itself cannot fork once its threads run (a lock one of
+    them holds would stay held in the child), so this process is forked first, from the
+    single thread the daemon has at the start, and stays single-threaded. It reaps its
+    children, and exits (they too) when its socket to the daemon closes.
+    """
+
+    def __init__(self, store_path: str) -> None:
+        ours, theirs = socket.socketpair()
+        self._lock = threading.Lock()
+        self.pid = os.fork()
+        if self.pid == 0:  # the forker
+            ours.close()
+            _fork_workers(theirs, store_path)  # never returns
+        theirs.close()
+        self._sock = ours
+
+    @classmethod
+    def start(cls, store_path: str) -> Forker | None:
+        """The forker, or None where forking is not safe (this process runs threads)."""
+        if threading.active_count() > 1:
+            logger.warning(
+                "no miss workers: this process runs %d threads, so it cannot fork safely",
+                threading.active_count(),
+            )
+            return None
+        return cls(store_path)
+
+    def fork(self) -> _Worker | None:
+        """A new worker (it opens the store itself); None if the forker is gone."""
+        ours, theirs = socket.socketpair()
         try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            with self._lock:
+                socket.send_fds(self._sock, [b"w"], [theirs.fileno()])
+                raw = self._sock.recv(8)
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        if len(raw) != 8:
+            ours.close()
+            return None
+        return _Worker(struct.unpack("<q", raw)[0], Connection(ours.detach()))
+
+    def close(self) -> None:
+        """Close the socket: the forker exits."""
+        self._sock.close()
 
 
 class MissWorkers:
@@ -76,7 +124,7 @@ class MissWorkers:
     Args:
         tiers: the daemon's tier stack (what may go to a worker, and the accounting after).
         writer: the batch layout (the daemon's ``Assembler``).
-        procs: workers at most; 0: none (every batch is assembled in the daemon).
+        forker: forks the workers (``Forker.start``, early); None: there are none.
         rings: the names of the rings in use (a worker unmaps the others).
     """
 
@@ -85,10 +133,12 @@ class MissWorkers:
         tiers: TierStack,
         writer: BatchWriter,
         procs: int,
+        forker: Forker | None,
         rings: Callable[[], Sequence[str]],
     ) -> None:
         if procs < 0:
             raise ValueError(f"`miss_procs` must be >= 0, got {procs}")
+        self._forker = forker
         self._tiers = tiers
         self._writer = writer
         self.procs = procs
@@ -107,7 +157,12 @@ class MissWorkers:
     @property
     def enabled(self) -> bool:
         """Whether batches go to workers (off: none allowed, or they failed to start)."""
-        return self.procs > 0 and self._failed_starts < _MAX_FAILED_STARTS and not self._closed
+        return (
+            self.procs > 0
+            and self._forker is not None
+            and self._failed_starts < _MAX_FAILED_STARTS
+            and not self._closed
+        )
 
     def assemble(
         self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
@@ -209,31 +264,21 @@ class MissWorkers:
                 self._cond.notify_all()
 
     def _start(self) -> _Worker | None:
-        ours, theirs = socket.socketpair()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "loaderd.miss_workers", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **_ONE_THREAD, "LOADERD_STORE": str(self._tiers.store.path)},
-            )
-        except OSError as e:
-            ours.close()
-            logger.warning("cannot start a miss worker: %s", e)
+        forker = self._forker
+        worker = forker.fork() if forker is not None else None
+        if worker is None:
+            logger.warning("cannot start a miss worker: the process that forks them is gone")
             return None
-        finally:
-            theirs.close()
-        worker = _Worker(proc, Connection(ours.detach()))
         try:
             hello = worker.conn.recv()
         except (EOFError, OSError):
-            hello = ("error", f"it exited with status {proc.wait()}")
+            hello = ("error", "it exited")
         if hello[0] != "ready":
             logger.warning("a miss worker failed to start: %s", hello[1])
             worker.stop()
             return None
         self.started += 1
-        logger.info("miss worker %d started", proc.pid)
+        logger.info("miss worker %d started", worker.pid)
         return worker
 
     def _give(self, worker: _Worker) -> None:
@@ -245,7 +290,7 @@ class MissWorkers:
             self._cond.notify()
 
     def _lose(self, worker: _Worker) -> None:
-        logger.warning("miss worker %d is gone (status %s)", worker.proc.pid, worker.proc.poll())
+        logger.warning("miss worker %d is gone", worker.pid)
         self.lost += 1
         with self._cond:
             if worker in self._all:
@@ -256,7 +301,7 @@ class MissWorkers:
     def pids(self) -> list[int]:
         """The worker processes' pids (for stats and tests)."""
         with self._cond:
-            return [w.proc.pid for w in self._all]
+            return [w.pid for w in self._all]
 
     def stats(self) -> dict[str, Any]:
         """The ``miss_workers`` entry of the prefetch stats."""
@@ -280,6 +325,8 @@ class MissWorkers:
             self._cond.notify_all()
         for worker in idle:
             worker.stop()
+        if self._forker is not None:
+            self._forker.close()
 
 
 # --- the worker process -------------------------------------------------------------------------
@@ -337,11 +384,27 @@ def serve(conn: Connection, store_path: str) -> None:
     store.close()
 
 
-def main() -> None:
-    """``python -m loaderd.miss_workers FD``: serve the daemon on socket FD."""
-    logging.basicConfig(level=logging.WARNING, format="miss worker %(process)d: %(message)s")
-    serve(Connection(int(sys.argv[1])), os.environ["LOADERD_STORE"])
-
-
-if __name__ == "__main__":
-    main()
+def _fork_workers(sock: socket.socket, store_path: str) -> NoReturn:
+    """The forker's loop: one worker forked per request, until the daemon's socket closes."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)  # the daemon's handlers are not ours
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    code = 0
+    try:
+        while True:
+            msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            if not msg or not fds:
+                break
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                try:
+                    serve(Connection(fds[0]), store_path)
+                finally:
+                    os._exit(0)
+            os.close(fds[0])
+            sock.sendall(struct.pack("<q", pid))
+    except BaseException:
+        code = 1
+    os._exit(code)

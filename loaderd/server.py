@@ -47,7 +47,7 @@ from loaderd.job_admin import remove_job_dir, sweep
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
 from loaderd.journal import JournalWriteError
 from loaderd.limits import check_hello, check_request_size, check_rewind
-from loaderd.miss_workers import MissWorkers
+from loaderd.miss_workers import Forker, MissWorkers
 from loaderd.outbox import After, Outbox
 from loaderd.outstanding import Outstanding, still_out_in
 from loaderd.parked_opens import Group, ParkedOpens
@@ -91,6 +91,8 @@ class Server:
     """
 
     def __init__(self, config: DaemonConfig) -> None:
+        # Forked first, while this process runs one thread (``miss_workers.Forker``).
+        forker = Forker.start(str(config.db)) if config.prefetch.miss_procs else None
         self.config = config
         self.job_defaults = config.importance
         self.started = time.monotonic()
@@ -124,9 +126,10 @@ class Server:
         assembler = Assembler(self.tiers, self.store.schema)
         self.shm = ShmDelivery(config.shm, slot_estimate(assembler), self.consumers)
         self.misses = MissWorkers(
-            self.tiers, assembler, config.prefetch.miss_procs, self.shm.ring_names
+            self.tiers, assembler, config.prefetch.miss_procs, forker, self.shm.ring_names
         )
         assembler.elsewhere = self.misses
+        self.misses.start()
         self.prefetcher = Prefetcher(
             assembler,
             config.prefetch.workers,
@@ -442,7 +445,7 @@ class Server:
         self.consumers.hello(identity, m.get("pid"), m.get("pidns"), self._local)
         shm = self.shm.hello(identity, m, spec.batch_size)
         if shm:
-            self.misses.start()  # a process start takes a while: begin before the first miss
+            self.misses.start()  # any worker lost since: started again before its first miss
         return Message(
             MsgType.WELCOME,
             msg.request_id,
