@@ -14,9 +14,9 @@ daemon's own map of the same pages (no second read, no second checksum).
 Everything else is assembled in the daemon as before, with the same bytes and the same
 errors: a batch for the socket, one with records in the NVRAM arena, one larger than its
 slot, one a worker failed on (a bad record is then reported by the daemon's own read), or a
-batch whose worker died (it is started again for the next one; after ``_MAX_FAILED_STARTS``
-failed starts in a row the pool turns itself off). A worker exits when its socket to the
-daemon closes, so it never outlives the daemon.
+batch whose worker died (another is started; after ``_MAX_FAILED_STARTS`` failed starts in a
+row the pool turns itself off). Workers are forked by a process the daemon forks at its
+start (``Forker``), and exit when their socket to the daemon closes: none outlives it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -110,8 +111,15 @@ class Forker:
         return _Worker(struct.unpack("<q", raw)[0], Connection(ours.detach()))
 
     def close(self) -> None:
-        """Close the socket: the forker exits."""
+        """Close the socket: the forker exits, and is reaped here (within a second)."""
         self._sock.close()
+        for _ in range(100):
+            try:
+                if os.waitpid(self.pid, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                return
+            time.sleep(0.01)
 
 
 class MissWorkers:
@@ -311,6 +319,7 @@ class MissWorkers:
             "enabled": self.enabled,
             "running": len(pids),
             "pids": pids,
+            "forker": self._forker.pid if self._forker is not None else None,
             "started": self.started,
             "lost": self.lost,
             "batches": self.batches,

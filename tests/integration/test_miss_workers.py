@@ -79,8 +79,9 @@ def test_miss_workers_exit_with_their_daemon(
         ds = LoaderdDataset(d.address, job="exit", batch_size=8)
         check_epoch(ds, store[1])
         wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
-        pids = stats(d.address)["miss_workers"]["pids"]
-        assert pids
+        workers = stats(d.address)["miss_workers"]
+        pids = [*workers["pids"], workers["forker"]]
+        assert len(pids) == 3 and all(process_alive(pid) for pid in pids)
         ds.close()
         d.kill()  # SIGKILL: no shutdown code runs
         for pid in pids:
