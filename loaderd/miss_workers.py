@@ -205,7 +205,8 @@ class MissWorkers:
     def _assemble(
         self, worker: _Worker, ids: np.ndarray, weights: np.ndarray, blank: BlankSlot
     ) -> Batch | None:
-        self._tiers.store.advise_known(ids.tolist())  # a cold batch's reads go out together
+        # A cold batch's reads go out together (those of records a tier holds need none).
+        self._tiers.store.advise_known(ids[~self._tiers.cached(ids)].tolist())
         try:
             reply = worker.call((blank.ring.name, blank.slot, ids, weights, tuple(self._rings())))
         except (EOFError, OSError):

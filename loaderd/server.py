@@ -92,7 +92,8 @@ class Server:
 
     def __init__(self, config: DaemonConfig) -> None:
         # Forked first, while this process runs one thread (``miss_workers.Forker``).
-        forker = Forker.start(str(config.db)) if config.prefetch.miss_procs else None
+        misses = config.prefetch.miss_procs and config.shm.enabled  # they fill ring slots
+        forker = Forker.start(str(config.db)) if misses else None
         self.config = config
         self.job_defaults = config.importance
         self.started = time.monotonic()
