@@ -144,8 +144,6 @@ class MissWorkers:
         forker: Forker | None,
         rings: Callable[[], Sequence[str]],
     ) -> None:
-        if procs < 0:
-            raise ValueError(f"`miss_procs` must be >= 0, got {procs}")
         self._forker = forker
         self._tiers = tiers
         self._writer = writer
@@ -183,7 +181,8 @@ class MissWorkers:
         """
         if not isinstance(allocate, RingAllocator) or not len(ids) or not self.enabled:
             return None
-        if not self._tiers.readable_elsewhere(ids):
+        missing = self._tiers.readable_elsewhere(ids)
+        if missing is None:
             return None
         worker = self._take()
         if worker is None:
@@ -193,7 +192,7 @@ class MissWorkers:
             self._give(worker)
             return None
         try:
-            batch = self._assemble(worker, ids, weights, blank)
+            batch = self._assemble(worker, ids, weights, blank, missing)
         except BaseException:
             blank.release()
             raise
@@ -203,10 +202,15 @@ class MissWorkers:
         return batch
 
     def _assemble(
-        self, worker: _Worker, ids: np.ndarray, weights: np.ndarray, blank: BlankSlot
+        self,
+        worker: _Worker,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        blank: BlankSlot,
+        missing: np.ndarray,
     ) -> Batch | None:
         # A cold batch's reads go out together (those of records a tier holds need none).
-        self._tiers.store.advise_known(ids[~self._tiers.cached(ids)].tolist())
+        self._tiers.store.advise_known(missing.tolist())
         try:
             reply = worker.call((blank.ring.name, blank.slot, ids, weights, tuple(self._rings())))
         except (EOFError, OSError):

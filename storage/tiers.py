@@ -182,19 +182,21 @@ class TierStack:
             self._account(keys, missing, got, found, verify=True)
             yield [got[sid] for sid in keys]
 
-    def readable_elsewhere(self, ids: np.ndarray) -> bool:
-        """Whether another process may read this batch from the store (``read_elsewhere``).
+    def readable_elsewhere(self, ids: np.ndarray) -> np.ndarray | None:
+        """The batch's ids no tier holds, if another process may read the batch; else None.
 
-        So it may when no record of it lies in the arena (its bytes are there, maybe not in
-        the store's pages) and the store can slice the records it reads for DRAM, and map
-        their pages (a lock of pages never mapped here would hold nothing).
+        It may (``read_elsewhere``) when no record of it lies in the arena (its bytes are
+        there, maybe not in the store's pages) and the store can slice the records it reads
+        for DRAM, and map their pages (a lock of pages never mapped here would hold nothing).
+        One look at the tiers answers both: the ids returned are the ones to read ahead.
         """
         if not (self.store.sliceable and self.store.prefaulting):
-            return False
-        if self.arena is None:
-            return True
+            return None
         with self._lock:
-            return not bool((self.policy.lookup_many(ids) == ARENA).any())
+            where = self.policy.lookup_many(ids)
+        if self.arena is not None and bool((where == ARENA).any()):
+            return None
+        return ids[where < 0]
 
     def read_elsewhere(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
         """Account for a batch that another process read from the store and verified.
