@@ -50,6 +50,7 @@ class _Stream:
     unmapped: deque[tuple[int, np.ndarray]] = field(default_factory=deque)  # advised, not mapped
     bytes: int = 0
     moved: float = field(default_factory=time.monotonic)
+    mapped: bool = True  # its advised pages are mapped into this process too
 
 
 class ReadAhead:
@@ -61,6 +62,9 @@ class ReadAhead:
         budget_bytes: the most record bytes advised for batches not yet handed out; 0 turns
             read-ahead off.
         idle_s: a stream whose pass has not moved for this long gives its window back.
+        reads_here: whether this process reads a stream's records (they are then mapped
+            ahead, ``SampleStore.prefault``); not: a miss worker reads them through a map
+            of its own, and mapping them here too would cost as much again. None: all.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class ReadAhead:
         cached: Callable[[np.ndarray], np.ndarray],
         budget_bytes: int,
         idle_s: float = 60.0,
+        reads_here: Callable[[StreamKey], bool] | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"`budget_bytes` must be >= 0, got {budget_bytes}")
@@ -76,6 +81,7 @@ class ReadAhead:
         self.cached = cached
         self.budget_bytes = budget_bytes
         self.idle_s = idle_s
+        self._reads_here = reads_here
         self._streams: dict[StreamKey, _Stream] = {}
         self._ranks: dict[str, set[int]] = {}  # job -> every rank whose pass was followed
         self._bytes = 0
@@ -113,6 +119,7 @@ class ReadAhead:
                 if s is not None:
                     self._bytes -= s.bytes
                 s = self._streams[key] = _Stream(plan, head, head)
+                s.mapped = self._reads_here is None or self._reads_here(key)
             elif head != s.head:
                 s.head, s.moved = head, time.monotonic()
                 freed = 0
@@ -230,7 +237,7 @@ class ReadAhead:
                     s.bytes += need
                     self._bytes += need
                     self.peak_bytes = max(self.peak_bytes, self._bytes)
-                    if done and self.prefaulting:
+                    if done and self.prefaulting and s.mapped:
                         s.unmapped.append((index, todo))
                 self.advised_bytes += done
                 self.advised_records += len(todo)

@@ -138,7 +138,12 @@ class Server:
             on_discard=self.shm.discard,
             max_workers=autotune_daemon.max_workers(config),
         )
-        self.readahead = ReadAhead(self.store, self.tiers.cached, config.prefetch.readahead_bytes)
+        self.readahead = ReadAhead(
+            self.store,
+            self.tiers.cached,
+            config.prefetch.readahead_bytes,
+            reads_here=self._reads_here,
+        )
         self.prefetch_depth = config.prefetch.depth  # `--autotune` moves it while serving
         self.autotune = autotune_daemon.build(self) if config.autotune.enabled else None
         self.jobs: dict[str, Job] = {}
@@ -566,6 +571,10 @@ class Server:
         if fut.done():
             self.outbox.hold_batch(key)  # sent once the assignment is written
         return None
+
+    def _reads_here(self, key: tuple[Any, ...]) -> bool:
+        """Whether this process reads a pass's misses (else the miss workers do)."""
+        return not (self.misses.enabled and self.shm.allocator_for(key) is not None)
 
     def _prefetch_ahead(self, job: Job, rank: int, state: PassState) -> None:
         for index in islice(state.queue, self.prefetch_depth):

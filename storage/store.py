@@ -42,11 +42,11 @@ import xxhash
 from loaderd.storage.errors import NotAStoreError, ResumeError, StoreFullError
 from loaderd.storage.map_slices import MapSlices
 from loaderd.storage.pinning import PageLocks
-from loaderd.storage.prefault import Prefault
+from loaderd.storage.prefault import MADV_POPULATE_READ, Prefault
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.safe_files import fsync_dir
-from loaderd.storage.syscalls import address_of, mapped_at, mlock_onfault
+from loaderd.storage.syscalls import address_of, madvise, mapped_at, mlock_onfault
 from loaderd.storage.value_index import ValueIndex, build_value_index
 
 logger = logging.getLogger(__name__)
@@ -391,14 +391,19 @@ class SampleStore:
         than the system call (measured: ``mlock`` ~8 us, a copy into fresh memory ~0.6 us per
         KiB), so those are copied too (and copies packed together serve hits faster than
         views spread over leaf pages). Once the whole map is locked (``lock_map``), a larger
-        record is held as it is, without a system call.
+        record is held as it is, its pages mapped here in one call (they are locked as they
+        are mapped, and a miss worker read them through a map of its own).
         """
         if record.nbytes < PIN_MIN_BYTES:
             return None
         address = address_of(record)
         whole = self._map_locked
         if whole is not None:
-            return _still_locked if whole[0] <= address < whole[1] else None
+            if not whole[0] <= address < whole[1]:
+                return None
+            first = address - address % self._psize
+            madvise(first, address + record.nbytes - first, MADV_POPULATE_READ)  # else on touch
+            return _still_locked
         if not self._locks.enabled:
             return None
         if address % self._psize != _OVERFLOW_HEADER:

@@ -225,9 +225,8 @@ class TierStack:
         at = np.fromiter((pos[s] for s in missing), np.int64, len(missing))
         miss = np.asarray(missing, np.int64)
         self.store.confirm_offsets(miss, offsets[at], lengths[at])
-        # The worker mapped the pages, not this process: DRAM admission locks pages mapped
-        # here (``MLOCK_ONFAULT``). The read-ahead has mapped most already; this maps the rest.
-        self.store.prefault(miss)
+        # The worker mapped the pages, not this process: a record DRAM admits has its pages
+        # mapped here by the admission (``SampleStore.pin``), the others never are.
         with self.store.views(missing, verified=False) as views:
             got: dict[int, Record] = dict(zip(missing, views, strict=True))
             self._account(keys, missing, got, found, sizes=sizes)

@@ -13,7 +13,7 @@ import pytest
 from loaderd.client import LoaderdDataset
 from loaderd.shm_ring import process_alive
 from tests.helpers import Daemon, wait_until
-from tests.integration.test_datapath import N, admitted, check_epoch, stats, store
+from tests.integration.test_datapath import IMAGE, N, admitted, check_epoch, stats, store
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +46,36 @@ def test_misses_from_worker_processes_are_the_stores_bytes(
         assert dram["items"] > 0 and dram["hits"] > 0
         assert s["backing"]["reads"] == dram["misses"]
         ds.close()
+
+
+def test_records_workers_read_are_held_in_the_daemons_locked_map(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    # DRAM holds the whole store: the daemon locks its map whole, and a page is held only
+    # once it is mapped in the daemon, which never read these records itself.
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "64MiB"]) as d:
+        ds = LoaderdDataset(d.address, job="held", batch_size=8)
+        ds.connect()  # its HELLO starts the workers
+        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        dram = admitted(d.address)
+        if not dram["map_locked"]:
+            pytest.skip("the daemon may not lock the store's map here (RLIMIT_MEMLOCK)")
+        assert dram["items"] == N and stats(d.address)["miss_workers"]["batches"] > 0
+        assert d.proc is not None
+        assert _mapped_kib(d.proc.pid, store[0] / "data.mdb") * 1024 >= N * IMAGE
+        ds.close()
+
+
+def _mapped_kib(pid: int, path: Path) -> int:
+    """KiB of ``path`` mapped in process ``pid`` (``Rss`` of its mappings)."""
+    total, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
+            inside = line.endswith(str(path.resolve()))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
 
 
 def test_a_killed_miss_worker_is_replaced_and_no_sample_is_lost(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -175,16 +176,19 @@ def test_cached_samples_are_not_read_ahead(store_path: Path) -> None:
 
 
 def map_of(path: Path) -> tuple[int, int]:
-    """Address and length of this process's one map of ``path`` (``/proc/self/maps``)."""
+    """Address and length of this process's one map of ``path`` (``/proc/self/maps``).
+
+    A lock of part of it splits it into adjacent mappings: they are joined here.
+    """
     found = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5].strip() == str(path.resolve()):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                found.append((lo, hi - lo))
-    assert len(found) == 1, found
-    return found[0]
+                found.append((lo, hi))
+    assert found and all(a[1] == b[0] for a, b in pairwise(found)), found
+    return found[0][0], found[-1][1] - found[0][0]
 
 
 def mapped_pages(address: int, length: int) -> np.ndarray:
@@ -297,3 +301,50 @@ def test_a_store_locked_whole_holds_every_record_without_a_lock_each(store_path:
         assert locked < store.file_bytes  # and only those: nothing was read for the lock
         outside = memoryview(bytearray(want[0]))  # not the store's: copied
         assert DramCache(1 << 20, pin=store.pin).hold(outside)[1] is None
+
+
+def test_a_record_held_from_a_map_locked_whole_has_its_pages_mapped_here(
+    store_path: Path,
+) -> None:
+    # A miss worker read the record through a map of its own, so this process may never
+    # have mapped its pages; the lock holds only pages mapped here (``MLOCK_ONFAULT``).
+    with SampleStore(store_path) as store:
+        if not store.lock_map():
+            pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
+        index = store.value_index
+        assert index is not None
+        address, length = map_of(store_path / "data.mdb")
+        sid = 7  # odd ids are the large ones, with pages of their own
+        start, n = address + int(index.offsets[sid]), int(index.lengths[sid])
+        pages = slice(start // mmap.PAGESIZE - address // mmap.PAGESIZE,
+                      -(-(start + n) // mmap.PAGESIZE) - address // mmap.PAGESIZE)  # fmt: skip
+        assert not mapped_pages(address, length)[pages].any(), "nothing read it here yet"
+        view = memoryview((ctypes.c_char * n).from_address(start)).cast("B")  # touches nothing
+        assert store.pin(view) is not None
+        assert mapped_pages(address, length)[pages].all()
+
+
+def test_passes_read_by_other_processes_are_advised_but_not_mapped_here(
+    store_path: Path,
+) -> None:
+    with SampleStore(store_path) as store:
+        plan = plan_pass(
+            np.arange(N), np.ones(N, np.float32), seed=0, epoch=0, phase="train",
+            world_size=1, batch_size=8,
+        )[0]  # fmt: skip
+        elsewhere = ("j", 0, 0, "train")
+        ra = ReadAhead(
+            store,
+            lambda ids: np.zeros(len(ids), bool),
+            1 << 20,
+            reads_here=lambda k: k != elsewhere,
+        )
+        try:
+            ra.follow(elsewhere, plan, 0)
+            wait_until(lambda: not ra.busy and ra.stats()["advised_records"] > 0, what="advice")
+            assert ra.stats()["prefaulted_records"] == 0
+            ra.drop(lambda k: k == elsewhere)  # its window makes room
+            ra.follow(("j", 1, 0, "train"), plan, 0)  # a pass this process reads itself
+            wait_until(lambda: ra.stats()["prefaulted_records"] > 0, what="a mapped batch")
+        finally:
+            ra.close()
