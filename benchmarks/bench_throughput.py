@@ -46,12 +46,12 @@ from _baselines import (
     dataloader,
     disk_bound,
     evict,
+    held_in_cache,
     memcpy_bound,
     resident,
     streaming_available,
     streaming_rates,
     top_frames,
-    warm,
     write_mds,
 )
 from _timing import machine, make_store  # the script's folder is on sys.path
@@ -174,10 +174,11 @@ def one_trainer(
     """Epoch rates of one shm trainer on a fresh daemon (the store evicted first if ``cold``)."""
     from loaderd.client import LoaderdDataset
 
+    held = ExitStack()
     if cold:
         evict([db / "data.mdb"])
     else:
-        warm([db / "data.mdb"])
+        held.enter_context(held_in_cache([db / "data.mdb"]))  # warm for the whole row
     left = resident([db / "data.mdb"])
     srv = ctx.serve(db, dram, extra)
     try:
@@ -194,11 +195,13 @@ def one_trainer(
             cores.append(use.cores)
         stats = ds.stats()
         ds.close()
+        after = resident([db / "data.mdb"])
         return {
             "rates": rates,
             "profiles": profiles,
             "cores": cores,
             "resident_before": left,
+            "resident_after": after,
             "daemon_rss": srv.rss(),
             "client_rss": psutil.Process().memory_info().rss,
             "shm_delivered": stats["shm"]["delivered"],
@@ -207,6 +210,7 @@ def one_trainer(
         }
     finally:
         ctx.stop(srv)
+        held.close()
 
 
 def _trainer(address: str, job: str, epochs: int, start: Any, out: Any) -> None:
@@ -380,8 +384,10 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
 
     miss = one_trainer(db, ctx, dram_all, 1, cold=False, tag=f"{label}-warm")
     compare(
-        "warm", "warm miss", miss["rates"][0], miss["profiles"][0], cores=miss["cores"][0], **mb
-    )
+        "warm", "warm miss", miss["rates"][0], miss["profiles"][0], cores=miss["cores"][0],
+        resident_before=round(miss["resident_before"], 3),
+        resident_after=round(miss["resident_after"], 3), **mb,
+    )  # fmt: skip
 
     # What a daemon that may not lock pages does (an ordinary user's RLIMIT_MEMLOCK): DRAM
     # holds copies, made off the GIL, and fills over more than one epoch.
@@ -399,6 +405,8 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
         "warm", "larger than DRAM", big["rates"][-1], big["profiles"][-1],
         cores=big["cores"][-1],
         epochs=[round(r) for r in big["rates"]], dram_bytes=store_bytes // 4,
+        resident_before=round(big["resident_before"], 3),
+        resident_after=round(big["resident_after"], 3),
         daemon_rss_mb=round(big["daemon_rss"] / 2**20),
         client_rss_mb=round(big["client_rss"] / 2**20),
     )  # fmt: skip
@@ -430,7 +438,10 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
         "",
         f"Batch size {BATCH}; samples/s timed from each epoch's first batch. GB/s counts the "
         "image and label bytes delivered. Cold: the store's pages evicted from the page cache "
-        "(posix_fadvise DONTNEED) before the epoch ('resident' says what was left). Each "
+        "(posix_fadvise DONTNEED) before the epoch ('resident' says what was left). Warm: "
+        "the files read and held in the page cache by a helper process that locks them, "
+        "for the DataLoader, Streaming and loaderd alike (this VM's host takes back idle page "
+        "cache at tens of MB/s, so an unheld warm row runs partly cold). Each "
         "loaderd row is compared with the best DataLoader and the best Streaming "
         "configuration in the same state (cold with cold, warm with warm) and with its "
         "bound: the disk's parallel random-read bound for cold, memcpy for hits. 'met': all "
@@ -459,6 +470,11 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
         for r in sub:
             if r.get("epochs"):
                 out.append(f"{r['config']}: epochs {r['epochs']} samples/s.")
+            if r.get("resident_after") is not None:
+                out.append(
+                    f"{r['config']}: store {r['resident_before']:.0%} in the page cache "
+                    f"before, {r['resident_after']:.0%} after."
+                )
             if r.get("readahead"):
                 ra = r["readahead"]
                 out.append(
