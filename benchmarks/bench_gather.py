@@ -26,7 +26,8 @@ import numpy as np
 from loaderd.prefetch import Assembler, Placed, gather_rows
 from loaderd.shm_ring import LentRing
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import SampleStore, StoreWriter
+from loaderd.storage.store import SampleStore
+from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import Record, TierStack
 
 SLOTS = 32  # the daemon's ring: batches rotate over its slots while trainers hold some

@@ -49,7 +49,7 @@ from loaderd.storage.readers import (
     open_huggingface,
 )
 from loaderd.storage.records import RECORD_HEADER, RECORD_VERSION, Schema, seal
-from loaderd.storage.store import StoreWriter, discard_partial, read_partial
+from loaderd.storage.store_writer import StoreWriter, discard_partial, read_partial
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

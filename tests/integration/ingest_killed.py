@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from loaderd.cli import main
-from loaderd.storage.store import StoreWriter
+from loaderd.storage.store_writer import StoreWriter
 
 _puts = 0
 

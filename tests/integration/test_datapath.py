@@ -16,7 +16,7 @@ from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import StoreWriter
+from loaderd.storage.store_writer import StoreWriter
 from tests.helpers import Daemon, evict, wait_until
 
 pytestmark = pytest.mark.integration

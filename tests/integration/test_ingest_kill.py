@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from loaderd.storage.store import partial_path, read_partial
+from loaderd.storage.store_writer import partial_path, read_partial
 from tests.unit.test_ingest_resume import dump
 
 ROWS = 3 * 4096 + 1234  # the CLI commits 4096 samples per transaction

@@ -22,7 +22,7 @@ import pytest
 
 from loaderd.storage.errors import SourceError
 from loaderd.storage.ingest import ingest
-from loaderd.storage.store import StoreWriter
+from loaderd.storage.store_writer import StoreWriter
 from tests.unit.test_ingest import read_store
 from tests.unit.test_ingest_resume import Interrupt, dump
 

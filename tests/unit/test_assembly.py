@@ -11,7 +11,8 @@ import pytest
 from loaderd.prefetch import Assembler
 from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import SampleStore, StoreWriter, sample_key
+from loaderd.storage.store import SampleStore, sample_key
+from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
 
 IMAGE = 40_000  # above the size where records are joined: copied row by row

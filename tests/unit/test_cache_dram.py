@@ -11,7 +11,8 @@ import pytest
 from loaderd.storage.arena import Arena
 from loaderd.storage.dram import DramCache
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import SampleStore, StoreWriter
+from loaderd.storage.store import SampleStore
+from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
 
 

@@ -18,7 +18,8 @@ from loaderd.storage.errors import SourceError
 from loaderd.storage.ingest import BatchEncoder, IngestSummary, ingest
 from loaderd.storage.readers import ColumnBatch
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import SampleStore, StoreWriter
+from loaderd.storage.store import SampleStore
+from loaderd.storage.store_writer import StoreWriter
 
 N = 23  # not a multiple of the batch sizes below, so the last batch is short
 

@@ -18,7 +18,7 @@ import pytest
 
 from loaderd.storage.errors import ResumeError, StoreFullError
 from loaderd.storage.ingest import ingest
-from loaderd.storage.store import StoreWriter, partial_path, read_partial
+from loaderd.storage.store_writer import StoreWriter, partial_path, read_partial
 
 N = 100
 

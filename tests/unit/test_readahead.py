@@ -15,7 +15,8 @@ from loaderd.planner import RankPlan, plan_pass
 from loaderd.readahead import ReadAhead
 from loaderd.storage.dram import DramCache
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, SampleStore, StoreWriter
+from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, SampleStore
+from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
 from loaderd.storage.value_index import build_value_index
 from tests.helpers import evict, wait_until

@@ -11,7 +11,8 @@ import pytest
 
 from loaderd.storage.errors import CorruptRecordError, NotAStoreError
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import FORMAT_VERSION, SampleStore, StoreWriter, sample_key
+from loaderd.storage.store import FORMAT_VERSION, SampleStore, sample_key
+from loaderd.storage.store_writer import StoreWriter
 
 SCHEMA = Schema((Field("x", "float32", (4,)), Field("label", "int64"), Field("name", "string")))
 CODEC = RecordCodec(SCHEMA)
