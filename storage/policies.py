@@ -154,6 +154,28 @@ class Policy:
             moves += self._hit(sid, tier)
         return moves
 
+    def miss_all(self, sample_ids: list[int], sizes: list[int]) -> list[Move]:
+        """``access`` of each id, read from the store: no tier holds any, none repeats.
+
+        The same counts and moves, in the same order, as ``access`` one id at a time. Where
+        every record goes where ``_miss`` would put it without evicting anything
+        (``_fits_all``), they are admitted in one step: a few numpy and dict calls for a
+        batch, not several Python calls a record.
+        """
+        for t in range(len(self.capacities)):
+            self.misses[t] += len(sample_ids)
+        tiers = self._fits_all(sample_ids, sizes)
+        if tiers is None:
+            moves: list[Move] = []
+            for sid, size in zip(sample_ids, sizes, strict=True):
+                moves += self._miss(sid, size)
+            return moves
+        for t in range(len(self.capacities)):
+            chosen = [i for i, to in enumerate(tiers) if to == t]
+            if chosen:
+                self._add_many([sample_ids[i] for i in chosen], [sizes[i] for i in chosen], t)
+        return [("admit", sid, t) for sid, t in zip(sample_ids, tiers, strict=True) if t >= 0]
+
     def place(self, ranking: np.ndarray | None) -> list[Move]:
         """Take a new ranking (ids, most important first); only ``importance`` uses it."""
         return []
@@ -188,12 +210,31 @@ class Policy:
                 return [("admit", sample_id, t)]
         return []
 
+    def _fits_all(self, sample_ids: list[int], sizes: list[int]) -> list[int] | None:
+        """The tier ``_miss`` puts each record in (-1: none), where that evicts nothing.
+
+        None: it would evict, or that cannot be told without taking the records one at a
+        time. Filling the first tier with room (this class, and LRU, whose overflow then has
+        nothing to push out): every record goes to DRAM when they all fit in its room.
+        """
+        if not self.capacities or not self.room(0, sum(sizes)):
+            return None
+        return [0] * len(sample_ids)
+
     def _add(self, sample_id: int, size: int, tier: int) -> None:
         self.held[tier][sample_id] = size
         self.used[tier] += size
         self._where[sample_id] = tier
         if 0 <= sample_id < len(self._tier):
             self._tier[sample_id] = tier
+
+    def _add_many(self, sample_ids: list[int], sizes: list[int], tier: int) -> None:
+        """``_add`` of each, in order, in a few calls."""
+        self.held[tier].update(zip(sample_ids, sizes, strict=True))
+        self.used[tier] += sum(sizes)
+        self._where.update(dict.fromkeys(sample_ids, tier))
+        ids = np.asarray(sample_ids, np.int64)
+        self._tier[ids[(ids >= 0) & (ids < len(self._tier))]] = tier
 
     def _remove(self, sample_id: int) -> int:
         tier = self._where.pop(sample_id)
@@ -365,6 +406,23 @@ class ImportancePolicy(Policy):
         self._add(sample_id, size, t)
         moves.append(("admit", sample_id, t))
         return moves
+
+    def _fits_all(self, sample_ids: list[int], sizes: list[int]) -> list[int] | None:
+        """Each record's target tier (-1: not wanted), where every target tier has the room."""
+        if self._target is None:
+            return super()._fits_all(sample_ids, sizes)
+        ids = np.asarray(sample_ids, np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self._target)):
+            return None
+        tiers = self._target[ids]
+        wanted = tiers >= 0
+        need = np.bincount(
+            tiers[wanted], np.asarray(sizes, np.int64)[wanted], minlength=len(self.capacities)
+        )
+        if not all(self.room(t, int(b)) for t, b in enumerate(need.tolist()) if b):
+            return None
+        out: list[int] = tiers.tolist()
+        return out
 
     def _make_room(self, tier: int, size: int, moves: list[Move]) -> bool:
         """Evict records the ranking does not want in ``tier`` until ``size`` bytes fit."""

@@ -252,12 +252,16 @@ class TierStack:
                 if self.policy.lookup(sid) == ARENA and not self._in_arena(sid):
                     self.policy.forget(sid)  # the arena lost it (bad checksum, ring)
             moves: list[Move] = []
-            access = self.policy.access
-            for sid in keys:
-                rec = got.get(sid)
-                size = len(rec) if rec is not None else sizes[sid] if sizes else 0
-                moves += access(sid, size, found.get(sid))
-                found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
+            if not found and len(got) == len(keys) and self._none_held(keys):
+                # Every record came from the store, once: the policy takes them together.
+                moves = self.policy.miss_all(keys, [len(got[sid]) for sid in keys])
+            else:
+                access = self.policy.access
+                for sid in keys:
+                    rec = got.get(sid)
+                    size = len(rec) if rec is not None else sizes[sid] if sizes else 0
+                    moves += access(sid, size, found.get(sid))
+                    found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
         if verify:
             self._verify(missing, got)
         if moves:
@@ -276,6 +280,10 @@ class TierStack:
                 for _, unpin in held.values():  # not taken by the tier
                     if unpin is not None:
                         unpin()
+
+    def _none_held(self, keys: list[int]) -> bool:
+        """Whether no tier holds any of these ids now (the lock is held)."""
+        return bool((self.policy.lookup_many(np.asarray(keys, np.int64)) < 0).all())
 
     def resident(self, ids: np.ndarray) -> list[Record] | None:
         """Records for ids, in order, when DRAM holds every one; else None, nothing counted.

@@ -211,3 +211,42 @@ def test_batch_lookups_answer_ids_outside_the_dataset() -> None:
     p.forget(12)
     assert p.lookup_many(np.array([12, 3])).tolist() == [-1, 0]
     assert p.lookup_many(np.array([], np.int64)).tolist() == []
+
+
+@pytest.mark.parametrize("name", ["importance", "lru", "static"])
+def test_miss_all_does_what_one_access_per_id_does(name: str) -> None:
+    # Two twins take the same trace; at random points one takes a batch of misses as a whole,
+    # the other id by id: same moves in the same order, same counts, same state (LRU order
+    # included), whether the batch fits in one step or falls back to one record at a time.
+    n = 80
+    rng = np.random.default_rng(11)
+    whole, each = make_policy(name, [90, 60], n, 3), make_policy(name, [90, 60], n, 3)
+    together = apart = 0
+    for _ in range(300):
+        r = rng.random()
+        if r < 0.05:
+            ranking = rng.permutation(n)[: int(rng.integers(5, n))]
+            assert whole.place(ranking) == each.place(ranking)
+        elif r < 0.2:  # a tier lost records: room for a batch to fit whole again
+            for i in rng.permutation(n)[:6].tolist():
+                whole.forget(i)
+                each.forget(i)
+        elif r < 0.55:
+            unheld = [i for i in rng.permutation(n).tolist() if whole.lookup(i) is None]
+            batch = unheld[: int(rng.integers(1, 9))]
+            sizes = rng.integers(1, 5, len(batch)).tolist()
+            if whole._fits_all(batch, sizes) is None:
+                apart += 1
+            else:
+                together += 1
+            moves = whole.miss_all(batch, sizes)
+            assert moves == [
+                m for i, s in zip(batch, sizes, strict=True) for m in each.access(i, s, None)
+            ]
+        else:
+            i, size = int(rng.integers(n)), int(rng.integers(1, 8))
+            assert whole.access(i, size) == each.access(i, size)
+        assert (whole.hits, whole.misses, whole.used) == (each.hits, each.misses, each.used)
+        assert [list(h.items()) for h in whole.held] == [list(h.items()) for h in each.held]
+        assert whole.lookup_many(np.arange(n)).tolist() == each.lookup_many(np.arange(n)).tolist()
+    assert together > 10 and apart > 10
