@@ -118,8 +118,8 @@ class ReadAhead:
             if s is None or s.plan is not plan:
                 if s is not None:
                     self._bytes -= s.bytes
-                s = self._streams[key] = _Stream(plan, head, head)
-                s.mapped = self._reads_here is None or self._reads_here(key)
+                mapped = self._reads_here is None or self._reads_here(key)
+                s = self._streams[key] = _Stream(plan, head, head, mapped=mapped)
             elif head != s.head:
                 s.head, s.moved = head, time.monotonic()
                 freed = 0
