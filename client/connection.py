@@ -81,6 +81,9 @@ class Connection:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             sock.setsockopt(zmq.RCVHWM, 0)
+            # A DEALER with no live pipe blocks on send, e.g. after a failed CURVE handshake
+            # tore its pipe down: bound it like a reply, never hang.
+            sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
             # ZMTP heartbeats: a daemon that stops answering drops the connection, and the
             # next request goes to whichever daemon binds the address again.
             sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
@@ -96,8 +99,13 @@ class Connection:
         request_id = next(self._ids)
         sock = self._socket()
         # Frame by frame: the header and meta are small (copied by zmq either way) and
-        # send_multipart re-checks every part on each call.
-        sock.send(encode_header(type_, request_id), _SNDMORE)
+        # send_multipart re-checks every part on each call. Once the first part is queued
+        # the rest of the message goes too (zmq queues a message whole).
+        try:
+            sock.send(encode_header(type_, request_id), _SNDMORE)
+        except zmq.Again:
+            self.reset()
+            raise self._unavailable(self.timeout_s) from None
         if frames:
             sock.send(encode_meta(meta), _SNDMORE)
             for frame in frames[:-1]:
@@ -122,10 +130,7 @@ class Connection:
             left = deadline - time.monotonic()
             if left <= 0 or not zmq.zmq_poll([(sock, _POLLIN)], int(left * 1000) + 1):
                 self.reset()
-                raise DaemonUnavailableError(
-                    f"no reply from loaderd at {self.address} within {timeout:g} s "
-                    f"({unreachable_hint(self.address, self._keys is not None)})"
-                )
+                raise self._unavailable(timeout)
             msg = decode(_recv_frames(sock))
             if msg.type == MsgType.WAITING:  # parked, not lost: say why and wait on
                 self._note_waiting(msg)
@@ -167,6 +172,12 @@ class Connection:
             self._log_if_error(msg)
         else:
             self._ignored.add(request_id)
+
+    def _unavailable(self, timeout: float) -> DaemonUnavailableError:
+        return DaemonUnavailableError(
+            f"no reply from loaderd at {self.address} within {timeout:g} s "
+            f"({unreachable_hint(self.address, self._keys is not None)})"
+        )
 
     def _note_waiting(self, msg: Message) -> None:
         check_reply(msg)

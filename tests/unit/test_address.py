@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loaderd.cli import build_parser, main
@@ -63,3 +65,17 @@ def test_tcp_without_keys_says_keys_are_needed() -> None:
         pytest.raises(DaemonUnavailableError, match="CURVE keys: pass curve_dir"),
     ):
         conn.wait(conn.send(MsgType.PING, {}))
+
+
+def test_a_send_that_cannot_go_fails_within_the_timeout_not_forever(tmp_path: Path) -> None:
+    # Nobody reads: once zmq's send queue is full, a send would block (as it does when a failed
+    # CURVE handshake leaves the socket no pipe at all). It must fail like a missing reply.
+    address = f"ipc://{tmp_path}/nobody.sock"
+    with (
+        Connection(address, timeout_s=0.2) as conn,
+        pytest.raises(DaemonUnavailableError, match=address),
+    ):
+        for _ in range(100_000):
+            conn.send(MsgType.PING, {})
+    with Connection(address, timeout_s=0.2) as conn:  # a fresh socket is usable again
+        assert conn.send(MsgType.PING, {}) == 1
