@@ -15,7 +15,12 @@ threads issuing ``pread``, against 28 % for 32 threads faulting pages in through
 The window is counted in bytes, not batches: the pages advised for batches not yet handed
 out (whole pages; records stored close together are one range, the pages between them
 counted: ``SampleStore.advise_bytes``) never exceed ``budget_bytes`` over all streams
-(bounded memory with a store larger than RAM). A stream advances only when its pass does,
+(bounded memory with a store larger than RAM). Small records in a store that fits in memory
+are asked for in aligned blocks (``SampleStore.read_unit``), each block once per pass and
+counted whole in the window of the batch that first needs it: a few large reads instead of a
+request per record, the block's other records cached before their turn (unless a batch's
+blocks would take more than a quarter of the budget: then its records' own pages). A stream advances
+only when its pass does,
 so a trainer that stops mid-epoch leaves a full window and nothing running; a stream that has
 not moved for ``idle_s`` gives its share back, and a finished or forgotten pass ends its
 stream.
@@ -29,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -39,6 +45,9 @@ from loaderd.storage.store import SampleStore
 logger = logging.getLogger(__name__)
 
 StreamKey = tuple[Any, ...]  # (job, rank, epoch, phase) from the server
+# A batch is read in blocks only where its new blocks take at most this share of the budget;
+# else its records' own pages are (a small budget still holds several batches ahead).
+_BLOCK_SHARE = 4
 
 
 @dataclass(slots=True)
@@ -51,6 +60,7 @@ class _Stream:
     bytes: int = 0
     moved: float = field(default_factory=time.monotonic)
     mapped: bool = True  # its advised pages are mapped into this process too
+    blocks: np.ndarray | None = None  # per ``read_unit`` block: asked for in this pass
 
 
 class ReadAhead:
@@ -120,6 +130,8 @@ class ReadAhead:
                     self._bytes -= s.bytes
                 mapped = self._reads_here is None or self._reads_here(key)
                 s = self._streams[key] = _Stream(plan, head, head, mapped=mapped)
+                if self.store.read_unit:
+                    s.blocks = np.zeros(self.store.file_blocks, bool)
             elif head != s.head:
                 s.head, s.moved = head, time.monotonic()
                 freed = 0
@@ -165,11 +177,13 @@ class ReadAhead:
 
     # --- the thread ---------------------------------------------------------------------------
 
-    def _next(self) -> tuple[StreamKey, _Stream, int, np.ndarray, int] | None:
+    def _next(self) -> tuple[StreamKey, _Stream, int, np.ndarray, int, np.ndarray | None] | None:
         """The batch to advise next: of the stream least far ahead, if it fits the budget.
 
-        Returns its records that no cache tier holds, and their bytes; a batch the cache holds
-        whole takes no room in the window (its stream is claimed past it by the caller).
+        Returns its records that no cache tier holds, their bytes, and the blocks to ask for
+        where small records are read in blocks (``SampleStore.read_unit``: those not asked for
+        earlier in the pass, so a block's bytes count once); a batch the cache holds whole
+        takes no room in the window (its stream is claimed past it by the caller).
         """
         now = time.monotonic()
         for key in [k for k, s in self._streams.items() if now - s.moved > self.idle_s]:
@@ -184,10 +198,16 @@ class ReadAhead:
         ids = s.plan.batch(index)[0]
         ids = ids[~self.cached(ids)]
         if not len(ids):
-            return key, s, index, ids, 0
-        need = self.store.advise_bytes(ids)  # whole pages, and the pages a joined range spans
-        if need is None:
-            need = self._mean * len(ids)
+            return key, s, index, ids, 0, None
+        blocks = None if s.blocks is None else self.store.read_blocks(ids)
+        if blocks is not None:
+            assert s.blocks is not None
+            blocks = blocks[~s.blocks[blocks]]
+            need = len(blocks) * self.store.read_unit
+            if need > self.budget_bytes // _BLOCK_SHARE:  # the window would hold too few batches
+                blocks = None
+        if blocks is None:  # whole pages, and the pages a joined range spans
+            need = self.store.advise_bytes(ids) or self._mean * len(ids)
         if self._bytes + need > self.budget_bytes:
             if not self._bytes and not self._warned:
                 self._warned = True
@@ -198,7 +218,7 @@ class ReadAhead:
                     need,
                 )
             return None
-        return key, s, index, ids, need
+        return key, s, index, ids, need, blocks
 
     def _next_unmapped(self) -> tuple[StreamKey, np.ndarray] | None:
         """The advised batch to map next: the one nearest its pass's head, of all streams."""
@@ -222,15 +242,19 @@ class ReadAhead:
                     self._cond.wait(timeout=1.0)
                     continue
                 if job is not None:
-                    key, s, index, todo, need = job
+                    key, s, index, todo, need, blocks = job
                     s.issued = index + 1  # claimed: the server thread may move the head meanwhile
                     if not len(todo):
                         self.cached_batches += 1
                         continue
+                    if blocks is not None and s.blocks is not None:
+                        s.blocks[blocks] = True
             if mapping is not None:
                 self._map(*mapping)
                 continue
-            done, calls = _attempt("read-ahead", key, self.store.advise, todo)
+            done, calls = _attempt(
+                "read-ahead", key, partial(self.store.advise, blocks=blocks), todo
+            )
             with self._cond:
                 if self._streams.get(key) is s and index >= s.head:
                     s.window.append((index, need))
@@ -274,6 +298,7 @@ class ReadAhead:
                 "busy": self.busy,
                 "indexed": self.indexed,
                 "prefaulting": self.prefaulting and self.store.prefaulting,
+                "read_unit_bytes": self.store.read_unit if self.indexed else 0,
                 "ranks": {job: sorted(r) for job, r in self._ranks.items()},
             }
 

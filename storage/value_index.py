@@ -83,6 +83,21 @@ class ValueIndex:
         lasts = np.append(heads[1:], len(starts)) - 1
         return starts[heads], ends[lasts] - starts[heads]
 
+    def blocks(self, ids: np.ndarray, unit: int) -> np.ndarray:
+        """The ``unit``-sized, ``unit``-aligned blocks of the file holding the records.
+
+        Returns:
+            Block numbers (block ``b`` is bytes ``[b * unit, (b + 1) * unit)``), int64,
+            sorted, unique.
+        """
+        first = self.offsets[ids] // unit
+        last = (self.offsets[ids] + self.lengths[ids].astype(np.int64) - 1) // unit
+        span = last - first + 1
+        if bool((span == 1).all()):
+            return np.unique(first)
+        steps = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+        return np.unique(np.repeat(first, span) + steps)
+
 
 def build_value_index(path: Path, db_name: bytes, num_samples: int) -> ValueIndex | None:
     """Walk the B-tree of ``db_name`` in ``path`` (a data.mdb) and index its values.

@@ -15,7 +15,7 @@ from loaderd.planner import RankPlan, plan_pass
 from loaderd.readahead import ReadAhead
 from loaderd.storage.dram import DramCache
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, SampleStore
+from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, READ_UNIT, SampleStore
 from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
 from loaderd.storage.value_index import build_value_index
@@ -113,6 +113,90 @@ def test_a_run_of_records_is_advised_in_one_call_and_read_exact(
             ]
         assert [g["blob"] for g in got] == [want[i] for i in run]
         assert [g["label"] for g in got] == run.tolist()
+
+
+def test_blocks_are_the_aligned_blocks_each_record_touches(store_path: Path) -> None:
+    with SampleStore(store_path) as store:
+        index = store.value_index
+        assert index is not None
+        assert store.read_unit == 0  # records of 21 KB on average: each read on its own
+        rng = np.random.default_rng(2)
+        for unit in (4096, 8192, READ_UNIT):  # 40 KB records span several 4-8 KiB blocks
+            for ids in (np.arange(N), rng.permutation(N)[:30], rng.integers(0, N, 50)):
+                spans = zip(index.offsets[ids].tolist(), index.lengths[ids].tolist(), strict=True)
+                want = {b for o, n in spans for b in range(o // unit, (o + n - 1) // unit + 1)}
+                assert index.blocks(ids, unit).tolist() == sorted(want)
+
+
+def make_small_store(path: Path, n: int) -> Path:
+    """Records of 2-3 KB: a pass over them is read ahead in blocks."""
+    schema = Schema((Field("blob", "binary"), Field("label", "int64")))
+    codec = RecordCodec(schema)
+    rng = np.random.default_rng(3)
+    with StoreWriter(path, schema) as w:
+        w.append(
+            codec.encode({"blob": rng.bytes(2000 + 7 * i % 1000), "label": i}) for i in range(n)
+        )
+    return path
+
+
+def file_cached(db: Path) -> np.ndarray:
+    """Per page of a store's data.mdb: is it in the page cache (a map of it, never touched)."""
+    with open(db / "data.mdb", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = np.frombuffer(m, np.uint8)
+        try:
+            return cached_pages(view.ctypes.data, len(m) // mmap.PAGESIZE * mmap.PAGESIZE)
+        finally:
+            del view
+
+
+def test_small_records_are_read_ahead_in_blocks_each_once_a_pass(tmp_path: Path) -> None:
+    n = 1500
+    path = make_small_store(tmp_path / "s.db", n)
+    evict(path)
+    if file_cached(path).any():
+        pytest.skip("the page cache cannot be emptied here")
+    no_cache = lambda ids: np.zeros(len(ids), bool)  # noqa: E731
+    plan = plan_pass(
+        np.arange(n), np.ones(n, np.float32), seed=0, epoch=0, phase="train",
+        world_size=1, batch_size=4,
+    )[0]  # fmt: skip
+    with SampleStore(path) as store:  # a whole pass, cold
+        assert store.read_unit == READ_UNIT and store.value_index is not None
+        index = store.value_index
+        blocks = index.blocks(np.arange(n), READ_UNIT)
+        ra = ReadAhead(store, no_cache, 1 << 30)
+        try:
+            ra.follow(("j", 0, 0, "train"), plan, 0)
+            wait_until(lambda: ra.stats()["advised_records"] == n, what="the whole pass")
+            s = ra.stats()
+            assert s["read_unit_bytes"] == READ_UNIT
+            # Every block once, runs of adjacent ones in one call: per record, ~15x as many.
+            assert 0 < s["advise_calls"] <= len(blocks) < n / 10
+            assert s["window_bytes"] == s["peak_window_bytes"] <= len(blocks) * READ_UNIT
+        finally:
+            ra.close()
+        page = mmap.PAGESIZE
+        first = index.offsets // page
+        last = (index.offsets + index.lengths.astype(np.int64) - 1) // page
+        wait_until(
+            lambda: all(
+                file_cached(path)[a : b + 1].all() for a, b in zip(first, last, strict=True)
+            ),
+            what="every record read by its block's advice",
+        )
+    evict(path)
+    with SampleStore(path) as store:  # a window of two thirds of the file's blocks
+        budget = len(blocks) * 2 // 3 * READ_UNIT  # a batch's 4 records lie in 4 or fewer
+        ra = ReadAhead(store, no_cache, budget)
+        try:
+            ra.follow(("j", 0, 1, "train"), plan, 0)
+            wait_until(lambda: not ra.busy and ra.stats()["window_bytes"] > 0, what="a window")
+            s = ra.stats()
+            assert 0 < s["window_bytes"] <= budget and s["window_bytes"] % READ_UNIT == 0
+            assert s["advised_records"] < n  # the budget holds it back
+        finally:
+            ra.close()
 
 
 def test_readahead_window_holds_its_budget_and_follows_the_pass(store_path: Path) -> None:
