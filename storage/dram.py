@@ -144,6 +144,31 @@ class DramCache:
                 self.pinned += 1
             return True
 
+    def put_many(self, held: dict[int, Held]) -> None:
+        """``put`` of each record, in order, from what ``hold`` made of it, under one lock.
+
+        The same records evicted as one ``put`` after another: the least recently used
+        until the batch fits. A batch larger than the tier, or with a record held already
+        (a ``put`` replaces it in its turn), is put one record at a time.
+        """
+        size = sum(len(rec) for rec, _ in held.values())
+        items = self._items
+        with self._lock:
+            whole = size <= self.capacity_bytes and not any(sid in items for sid in held)
+            if whole:
+                while self.used_bytes + size > self.capacity_bytes:
+                    self._drop(next(iter(items)))
+                    self.evictions += 1
+                items.update((sid, rec) for sid, (rec, _) in held.items())
+                self.used_bytes += size
+                for sid, (_, unpin) in held.items():
+                    if unpin is not None:
+                        self._unpin[sid] = unpin
+                        self.pinned += 1
+        if not whole:
+            for sid, h in held.items():
+                self.put(sid, h[0], h)
+
     def discard(self, sample_id: int) -> Record | None:
         """Remove a record without counting an eviction; returns it, or None if absent."""
         with self._lock:

@@ -212,19 +212,19 @@ class TierStack:
             lengths: each record's length.
         """
         keys = ids.tolist()
-        sizes = dict(zip(keys, lengths.tolist(), strict=True))
-        found: dict[int, int | None] = {}
+        ids = np.asarray(ids, np.int64)
         with self._lock:
-            lookup = self.policy.lookup
-            for sid in sizes:
-                tier = lookup(sid)
-                if tier is not None:
-                    found[sid] = tier
-        missing = [sid for sid in sizes if sid not in found]
-        pos = {sid: i for i, sid in enumerate(keys)}
-        at = np.fromiter((pos[s] for s in missing), np.int64, len(missing))
-        miss = np.asarray(missing, np.int64)
+            where = self.policy.lookup_many(ids)
+        held = where >= 0
+        found: dict[int, int | None] = dict(
+            zip(ids[held].tolist(), where[held].tolist(), strict=True)
+        )
+        _, first = np.unique(ids, return_index=True)  # an id's first place in the batch
+        at = np.sort(first[~held[first]])
+        miss = ids[at]
+        missing = miss.tolist()
         self.store.confirm_offsets(miss, offsets[at], lengths[at])
+        sizes = dict(zip(keys, lengths.tolist(), strict=True)) if found else None
         # The worker mapped the pages, not this process: a record DRAM admits has its pages
         # mapped here by the admission (``SampleStore.pin``), the others never are.
         with self.store.views(missing, verified=False) as views:
@@ -248,7 +248,7 @@ class TierStack:
         ``got``), ``found`` where each was found. ``verify``: check the store's records.
         """
         with self._lock:
-            for sid in missing:
+            for sid in missing if self.arena is not None else ():
                 if self.policy.lookup(sid) == ARENA and not self._in_arena(sid):
                     self.policy.forget(sid)  # the arena lost it (bad checksum, ring)
             moves: list[Move] = []
@@ -356,6 +356,10 @@ class TierStack:
         What leaves DRAM goes first, so that DRAM never holds more than its capacity on the
         way (its own LRU bound would otherwise push out a record that is being demoted).
         """
+        if held and len(held) == len(moves):  # a batch of misses DRAM takes whole
+            self.dram.put_many(held)
+            held.clear()
+            return
         moves = sorted(moves, key=lambda m: m[0] != "demote" and m != ("drop", m[1], DRAM))
         for kind, sid, tier in moves:
             if kind == "admit":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from loaderd.storage.arena import Arena
 from loaderd.storage.dram import DramCache
+from loaderd.storage.policies import DRAM
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import SampleStore
 from loaderd.storage.store_writer import StoreWriter
@@ -113,6 +115,42 @@ def test_a_view_that_is_not_locked_is_held_as_a_copy_of_its_own(size: int) -> No
     assert dram.used_bytes == size and dram.pinned == 0
 
 
+def test_a_batch_put_whole_leaves_what_one_put_after_another_leaves() -> None:
+    rng = np.random.default_rng(4)
+    whole, single = DramCache(20_000), DramCache(20_000)
+    released: list[int] = []
+    for step in range(300):
+        sids = rng.choice(60, size=int(rng.integers(1, 9)), replace=False).tolist()
+        if step % 7 == 0:  # a batch larger than the tier: taken one record at a time
+            sids = rng.choice(60, size=30, replace=False).tolist()
+        sizes = rng.integers(100, 1_500, len(sids)).tolist()
+        for cache in (whole, single):
+            held = {
+                s: (bytes([s % 256]) * n, None if s % 3 else (lambda s=s: released.append(s)))
+                for s, n in zip(sids, sizes, strict=True)
+            }
+            if cache is whole:
+                cache.put_many(held)
+            else:
+                for s, h in held.items():
+                    cache.put(s, h[0], h)
+        if step % 5 == 0:
+            whole.get(int(sids[0])), single.get(int(sids[0]))  # a hit reorders both alike
+        assert list(whole._items) == list(single._items)
+        assert [bytes(whole._items[s]) for s in whole._items] == [
+            bytes(single._items[s]) for s in single._items
+        ]
+        w, o = whole.stats(), single.stats()
+        assert (w["used_bytes"], w["evictions"], w["pinned"]) == (
+            o["used_bytes"],
+            o["evictions"],
+            o["pinned"],
+        )
+        assert w["used_bytes"] <= 20_000
+    assert whole.stats()["evictions"] > 100  # the bound was in play
+    assert len(released) % 2 == 0  # every lock let go by one was let go by the other
+
+
 def test_hit_rate_with_no_lookups() -> None:
     assert DramCache(10).stats()["hit_rate"] == 0.0
 
@@ -139,6 +177,33 @@ def big_store(tmp_path: Path, n: int, kib: int) -> tuple[Path, list[bytes]]:
         w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * (kib << 10)}) for i in range(n)])
     with SampleStore(path) as s:
         return path, s.get_many(range(n))
+
+
+def test_a_batch_another_process_read_is_counted_as_if_read_here(
+    store_path: Path, tmp_path: Path
+) -> None:
+    # Repeats, records DRAM holds and records it does not, and evictions: the books of a
+    # batch a miss worker read are those of the same batch read here.
+    rng = np.random.default_rng(6)
+    every = np.arange(100)
+    twin = shutil.copytree(store_path, tmp_path / "twin")  # LMDB opens a file once a process
+    with SampleStore(twin) as a, SampleStore(store_path) as b:
+        truth = a.get_many(every)
+        index = b.value_index
+        assert index is not None
+        cap = sum(map(len, truth)) // 3
+        with TierStack(a, cap) as here, TierStack(b, cap) as there:
+            for _ in range(80):
+                ids = rng.integers(0, 100, int(rng.integers(1, 20)))
+                here.get_many(ids)
+                there.read_elsewhere(ids, index.offsets[ids], index.lengths[ids].astype(np.int64))
+                assert (here.policy.lookup_many(every) == there.policy.lookup_many(every)).all()
+                assert here.policy.stats(DRAM) == there.policy.stats(DRAM)
+            st = there.policy.stats(DRAM)
+            assert st["hits"] > 0 and st["misses"] > 100 and st["items"] > 10  # a full tier
+            assert set(there.dram._items) == set(here.dram._items)
+            for sid in there.dram._items:
+                assert bytes(there.dram._items[sid]) == truth[sid]
 
 
 def test_tier_stack_serves_the_store_bytes_and_counts(store_path: Path) -> None:
