@@ -18,12 +18,11 @@ counted: ``SampleStore.advise_bytes``) never exceed ``budget_bytes`` over all st
 (bounded memory with a store larger than RAM). Small records in a store that fits in memory
 are asked for in aligned blocks (``SampleStore.read_unit``), each block once per pass and
 counted whole in the window of the batch that first needs it: a few large reads instead of a
-request per record, the block's other records cached before their turn (unless a batch's
-blocks would take more than a quarter of the budget: then its records' own pages). A stream advances
-only when its pass does,
-so a trainer that stops mid-epoch leaves a full window and nothing running; a stream that has
-not moved for ``idle_s`` gives its share back, and a finished or forgotten pass ends its
-stream.
+request per record, the block's other records cached before their turn (a batch whose blocks
+would take over a quarter of the budget is asked for by its records' own pages). A stream
+advances only when its pass does, so a trainer that stops mid-epoch leaves a full window and
+nothing running; a stream that has not moved for ``idle_s`` gives its share back, and a
+finished or forgotten pass ends its stream.
 """
 
 from __future__ import annotations

@@ -364,8 +364,8 @@ class SampleStore:
         pass over 3 KB records, each advised on its own, ran at 60 % of 32 threads'
         random ``pread`` and half the rate of a DataLoader whose page faults read 128 KiB
         around them. Asked for in aligned ``READ_UNIT`` blocks, each block once per pass,
-        it ran 18 % faster, about as fast as a pass whose pages were cached already (the
-        miss path's CPU is the limit then); records of 100 KB gained nothing. Only where it
+        it ran at the rate of a pass whose pages were cached already (~31k to ~40k samples/s;
+        the miss path's CPU is the limit then); records of 100 KB gained nothing. Only where it
         pays: small records, in a file that fits in half the memory available now, so
         that a block's other records are still cached when their turn in the pass comes.
         """
