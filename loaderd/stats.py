@@ -94,6 +94,7 @@ def format_table(stats: dict[str, Any]) -> str:
             ("bytes read", human_bytes(backing["bytes_read"])),
         ],
     )
+    out += _read_path_rows(stats.get("readahead"), stats.get("miss_workers"))
     shm = stats.get("shm")
     if shm and shm.get("ring"):
         out += _rows(
@@ -157,6 +158,43 @@ def format_table(stats: dict[str, Any]) -> str:
         out += _rows(f"job {name}", rows + _importance_rows(job.get("importance") or {}))
     out.append(f"uptime {stats['uptime_s']:.1f} s, daemon pid {stats['daemon']['pid']}")
     return "\n".join(out)
+
+
+def _read_path_rows(ra: dict[str, Any] | None, workers: dict[str, Any] | None) -> list[str]:
+    """How misses are read: the read-ahead's window and unit, and the miss workers."""
+    out: list[str] = []
+    if ra and ra.get("budget_bytes"):
+        unit = ra.get("read_unit_bytes") or 0
+        how = f"{human_bytes(unit)} blocks" if unit else "each record's pages"
+        if ra.get("advice_skipped"):
+            how += f"; {ra['advice_skipped']:,} batches found in the page cache"
+        out += _rows(
+            "read-ahead",
+            [
+                (
+                    "window",
+                    f"{human_bytes(ra['window_bytes'])} of {human_bytes(ra['budget_bytes'])} "
+                    f"(peak {human_bytes(ra['peak_window_bytes'])})",
+                ),
+                (
+                    "advised",
+                    f"{ra['advised_records']:,} records in {ra['advise_calls']:,} calls ({how})",
+                ),
+            ],
+        )
+    if workers and workers.get("procs"):
+        out += _rows(
+            "miss workers",
+            [
+                ("running", f"{workers['running']} of {workers['procs']} ({workers['lost']} lost)"),
+                (
+                    "batches",
+                    f"{workers['batches']:,} (assembled by the daemon instead: "
+                    f"{workers['fallbacks']:,})",
+                ),
+            ],
+        )
+    return out
 
 
 def _importance_rows(imp: dict[str, Any]) -> list[tuple[str, str]]:

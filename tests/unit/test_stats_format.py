@@ -55,6 +55,15 @@ def realistic_stats() -> dict[str, Any]:
             "tiers": [dram],
             "backing": {"reads": 12_346, "bytes_read": 3 * 1024**3},
             "nvram": {"note": "extra key is kept"},
+            "readahead": {
+                "budget_bytes": 256 << 20,
+                "window_bytes": 100 << 20,
+                "peak_window_bytes": 250 << 20,
+                "advised_records": 98_400,
+                "advise_calls": 3_108,
+                "read_unit_bytes": 128 << 10,
+            },
+            "miss_workers": {"procs": 2, "running": 2, "lost": 0, "batches": 1_537, "fallbacks": 3},
         },
         jobs={
             "resnet": {
@@ -119,10 +128,29 @@ def test_format_table_contains_the_key_figures() -> None:
         "896,817 (70%) for epoch 7, 120,000 re-scored",
         "0.01 / 0.25 / 1.75",
         "uptime 3723.5 s, daemon pid 4242",
+        "100.0 MiB of 256.0 MiB (peak 250.0 MiB)",
+        "98,400 records in 3,108 calls (128.0 KiB blocks)",
+        "2 of 2 (0 lost)",
+        "1,537 (assembled by the daemon instead: 3)",
     ]:
         assert expected in table, f"{expected!r} missing from:\n{table}"
     assert lines[0] == "dataset"
     assert "cache (all tiers)" in lines and "backing store" in lines
+    assert "read-ahead" in lines and "miss workers" in lines
+
+
+def test_format_table_says_how_misses_are_read_only_where_it_applies() -> None:
+    s = realistic_stats()
+    s["readahead"]["read_unit_bytes"] = 0
+    assert "98,400 records in 3,108 calls (each record's pages)" in format_table(s)
+    s["readahead"]["advice_skipped"] = 1_200
+    assert "(each record's pages; 1,200 batches found in the page cache)" in format_table(s)
+    s["readahead"]["budget_bytes"] = 0  # read-ahead off
+    s["miss_workers"]["procs"] = 0  # none allowed
+    lines = format_table(s).splitlines()
+    assert "read-ahead" not in lines and "miss workers" not in lines
+    del s["readahead"], s["miss_workers"]  # an older daemon's reply
+    assert "backing store" in format_table(s).splitlines()
 
 
 def test_format_table_aligns_values_within_a_section() -> None:
