@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 # Plain ints: pyzmq's flag enums cost an enum operation per frame.
 _SNDMORE = int(zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
+_MAX_MS = 2**31 - 1  # zmq's timeouts are C ints of milliseconds (~24.8 days)
 
 
 class Connection:
@@ -83,7 +84,7 @@ class Connection:
             sock.setsockopt(zmq.RCVHWM, 0)
             # A DEALER with no live pipe blocks on send, e.g. after a failed CURVE handshake
             # tore its pipe down: bound it like a reply, never hang.
-            sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+            sock.setsockopt(zmq.SNDTIMEO, min(max(1, int(self.timeout_s * 1000)), _MAX_MS))
             # ZMTP heartbeats: a daemon that stops answering drops the connection, and the
             # next request goes to whichever daemon binds the address again.
             sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)

@@ -79,3 +79,5 @@ def test_a_send_that_cannot_go_fails_within_the_timeout_not_forever(tmp_path: Pa
             conn.send(MsgType.PING, {})
     with Connection(address, timeout_s=0.2) as conn:  # a fresh socket is usable again
         assert conn.send(MsgType.PING, {}) == 1
+    with Connection(address, timeout_s=1e9) as conn:  # past zmq's int of milliseconds
+        assert conn.send(MsgType.PING, {}) == 1
