@@ -36,7 +36,7 @@ from loaderd.storage.prefault import MADV_POPULATE_READ, Prefault
 from loaderd.storage.records import Schema, verify
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.syscalls import address_of, madvise, mapped_at, mlock_onfault
-from loaderd.storage.value_index import ValueIndex, build_value_index
+from loaderd.storage.value_index import ValueIndex, block_ranges, build_value_index
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class SampleStore:
                 return sum(len(txn.get(int(s).to_bytes(8, "big")) or b"") for s in ids), 0
         ids = np.asarray(ids, np.int64)
         if blocks is not None:
-            starts, lengths = _runs(blocks, self.read_unit)
+            starts, lengths = block_ranges(blocks, self.read_unit)
         else:
             starts, lengths = index.ranges(ids, ADVISE_GAP, _PAGE)
         probe = self._residency
@@ -521,15 +521,6 @@ class SampleStore:
 
 def _still_locked() -> None:
     """``pin``'s unlock for a record of a map locked whole: nothing to undo."""
-
-
-def _runs(blocks: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte ranges of sorted block numbers, a run of adjacent blocks as one range."""
-    if not len(blocks):
-        return blocks.astype(np.int64), blocks.astype(np.int64)
-    heads = np.flatnonzero(np.diff(blocks, prepend=blocks[0] - 2) != 1)
-    counts = np.diff(np.append(heads, len(blocks)))
-    return blocks[heads].astype(np.int64) * unit, counts.astype(np.int64) * unit
 
 
 def memory_available() -> int:

@@ -92,11 +92,18 @@ class ValueIndex:
         """
         first = self.offsets[ids] // unit
         last = (self.offsets[ids] + self.lengths[ids].astype(np.int64) - 1) // unit
-        span = last - first + 1
-        if bool((span == 1).all()):
-            return np.unique(first)
+        span = last - first + 1  # a record larger than a block lies in several
         steps = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
         return np.unique(np.repeat(first, span) + steps)
+
+
+def block_ranges(blocks: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``(starts, lengths)`` of sorted block numbers, adjacent blocks joined."""
+    if not len(blocks):
+        return blocks.astype(np.int64), blocks.astype(np.int64)
+    heads = np.flatnonzero(np.diff(blocks, prepend=blocks[0] - 2) != 1)
+    counts = np.diff(np.append(heads, len(blocks)))
+    return blocks[heads].astype(np.int64) * unit, counts.astype(np.int64) * unit
 
 
 def build_value_index(path: Path, db_name: bytes, num_samples: int) -> ValueIndex | None:

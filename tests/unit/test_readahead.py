@@ -18,7 +18,7 @@ from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, READ_UNIT, SampleStore
 from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
-from loaderd.storage.value_index import build_value_index
+from loaderd.storage.value_index import block_ranges, build_value_index
 from tests.helpers import evict, wait_until
 
 N = 200
@@ -126,6 +126,8 @@ def test_blocks_are_the_aligned_blocks_each_record_touches(store_path: Path) -> 
                 spans = zip(index.offsets[ids].tolist(), index.lengths[ids].tolist(), strict=True)
                 want = {b for o, n in spans for b in range(o // unit, (o + n - 1) // unit + 1)}
                 assert index.blocks(ids, unit).tolist() == sorted(want)
+    starts, lengths = block_ranges(np.array([1, 2, 3, 7, 9, 10]), 8)  # adjacent ones joined
+    assert (starts.tolist(), lengths.tolist()) == ([8, 56, 72], [24, 8, 16])
 
 
 def make_small_store(path: Path, n: int) -> Path:
