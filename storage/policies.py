@@ -164,11 +164,51 @@ class Policy:
         """
         for t in range(len(self.capacities)):
             self.misses[t] += len(sample_ids)
+        return self._miss_each(sample_ids, sizes)
+
+    def access_all(
+        self, sample_ids: list[int], sizes: list[int], found: np.ndarray
+    ) -> list[Move] | None:
+        """``access`` of each id, read from ``found``, in one step where the hits move nothing.
+
+        The same counts and moves, in the same order, as ``access`` one id at a time, for a
+        policy whose ``_hit`` is a no-op (``static``, ``importance``): the hits only count,
+        and the ids no tier holds now take ``_miss`` in order (``miss_all``'s steps).
+
+        Args:
+            sample_ids: the ids read, none twice.
+            sizes: their records' sizes.
+            found: the tier each was read from (-1: the store).
+
+        Returns:
+            The moves; None (nothing counted) where one id at a time is needed: a policy
+            whose hits move records, or an id twice.
+        """
+        if type(self)._hit is not Policy._hit or len(set(sample_ids)) != len(sample_ids):
+            return None
+        n = len(self.capacities)
+        src = np.asarray(found, np.int64)
+        per = np.bincount(np.where(src < 0, n, src), minlength=n + 1).tolist()
+        for t in range(n):
+            self.hits[t] += per[t]
+            self.misses[t] += sum(per[t + 1 :])  # read from below ``t``
+        new = np.flatnonzero(self.lookup_many(np.asarray(sample_ids, np.int64)) < 0).tolist()
+        return self._miss_each([sample_ids[i] for i in new], [sizes[i] for i in new])
+
+    def _miss_each(self, sample_ids: list[int], sizes: list[int]) -> list[Move]:
+        """``_miss`` of each id (no tier holds any, none repeats), in as few steps as it can.
+
+        Records ``_may_admit`` rules out are skipped (their ``_miss`` would change nothing);
+        where every record goes where ``_miss`` would put it without evicting anything
+        (``_fits_all``), they are admitted together.
+        """
         tiers = self._fits_all(sample_ids, sizes)
         if tiers is None:
             moves: list[Move] = []
-            for sid, size in zip(sample_ids, sizes, strict=True):
-                moves += self._miss(sid, size)
+            may = self._may_admit(sample_ids, sizes).tolist()
+            for sid, size, m in zip(sample_ids, sizes, may, strict=True):
+                if m:
+                    moves += self._miss(sid, size)
             return moves
         for t in range(len(self.capacities)):
             chosen = [i for i, to in enumerate(tiers) if to == t]
@@ -220,6 +260,16 @@ class Policy:
         if not self.capacities or not self.room(0, sum(sizes)):
             return None
         return [0] * len(sample_ids)
+
+    def _may_admit(self, sample_ids: list[int], sizes: list[int]) -> np.ndarray:
+        """Which of these misses ``_miss`` might admit; the others would change nothing.
+
+        For this class's ``_miss`` (the first tier with room, never evicting): a record
+        larger than every tier's room now never fits later in the batch, as room only
+        shrinks. A subclass with another ``_miss`` says its own.
+        """
+        room = max((c - u for c, u in zip(self.capacities, self.used, strict=True)), default=-1)
+        return np.asarray(sizes, np.int64) <= room
 
     def _add(self, sample_id: int, size: int, tier: int) -> None:
         self.held[tier][sample_id] = size
@@ -294,6 +344,9 @@ class LruPolicy(Policy):
             return []
         moves = [self._move(sample_id, DRAM)]
         return moves + self._overflow(DRAM, keep=sample_id)
+
+    def _may_admit(self, sample_ids: list[int], sizes: list[int]) -> np.ndarray:
+        return np.ones(len(sample_ids), bool)  # a miss evicts to make room
 
     def _miss(self, sample_id: int, size: int) -> list[Move]:
         for t, cap in enumerate(self.capacities):
@@ -406,6 +459,16 @@ class ImportancePolicy(Policy):
         self._add(sample_id, size, t)
         moves.append(("admit", sample_id, t))
         return moves
+
+    def _may_admit(self, sample_ids: list[int], sizes: list[int]) -> np.ndarray:
+        """With a ranking, the records it wants in a tier (a miss of any other changes nothing)."""
+        if self._target is None:
+            return super()._may_admit(sample_ids, sizes)
+        ids = np.asarray(sample_ids, np.int64)
+        inside = (ids >= 0) & (ids < len(self._target))
+        may = np.ones(len(ids), bool)  # an id outside the ranking: ``_miss`` says
+        may[inside] = self._target[ids[inside]] >= 0
+        return may
 
     def _fits_all(self, sample_ids: list[int], sizes: list[int]) -> list[int] | None:
         """Each record's target tier (-1: not wanted), where every target tier has the room."""

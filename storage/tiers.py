@@ -256,12 +256,19 @@ class TierStack:
                 # Every record came from the store, once: the policy takes them together.
                 moves = self.policy.miss_all(keys, [len(got[sid]) for sid in keys])
             else:
-                access = self.policy.access
-                for sid in keys:
-                    rec = got.get(sid)
-                    size = len(rec) if rec is not None else sizes[sid] if sizes else 0
-                    moves += access(sid, size, found.get(sid))
-                    found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
+                lengths = [
+                    len(rec) if (rec := got.get(sid)) is not None else sizes[sid] if sizes else 0
+                    for sid in keys
+                ]
+                tiers = np.array([-1 if (t := found.get(s)) is None else t for s in keys], np.int8)
+                batch = self.policy.access_all(keys, lengths, tiers)
+                if batch is not None:
+                    moves = batch
+                else:
+                    access = self.policy.access
+                    for sid, size in zip(keys, lengths, strict=True):
+                        moves += access(sid, size, found.get(sid))
+                        found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
         if verify:
             self._verify(missing, got)
         if moves:
