@@ -11,6 +11,12 @@ read (``TierStack.read_elsewhere``): hits and misses as the policy sees them, an
 admission of the records at the file offsets the worker found them at, sliced from the
 daemon's own map of the same pages (no second read, no second checksum).
 
+The server loop drives the workers itself: it sends a batch to a worker with room and takes
+the answer when its poll finds the worker's socket readable. A prefetch thread blocked on a
+worker had to win the GIL back from the loop for every batch, a handover of the lock (and a
+context switch) each way; the loop only does work that is ready. Each worker holds up to
+``PIPELINE`` batches, so that it finds the next one waiting when it finishes one.
+
 Everything else is assembled in the daemon as before, with the same bytes and the same
 errors: a batch for the socket, one with records in the NVRAM arena, one larger than its
 slot, one a worker failed on (a bad record is then reported by the daemon's own read), or a
@@ -44,6 +50,9 @@ from loaderd.storage.tiers import TierStack
 logger = logging.getLogger(__name__)
 
 _MAX_FAILED_STARTS = 3
+# Batches a worker holds at once: one it assembles, one waiting in its socket, so that it
+# does not sleep between batches and the daemon's send does not have to wake it.
+PIPELINE = 2
 
 
 @dataclass(slots=True)
@@ -51,14 +60,22 @@ class _Worker:
     pid: int
     conn: Connection
 
-    def call(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
-        self.conn.send(request)
-        reply: tuple[Any, ...] = self.conn.recv()
-        return reply
-
     def stop(self) -> None:
         """Close its socket: the worker sees EOF and exits (its parent reaps it)."""
         self.conn.close()
+
+
+@dataclass(slots=True)
+class Flight:
+    """A batch a worker is assembling: its worker, its slot and its ids."""
+
+    worker: _Worker
+    blank: BlankSlot
+    ids: np.ndarray
+
+    def fileno(self) -> int:
+        """The worker's socket: readable once its answer is there (or it died)."""
+        return self.worker.conn.fileno()
 
 
 class Forker:
@@ -126,8 +143,9 @@ class MissWorkers:
     """Up to ``procs`` worker processes that assemble misses into ring slots (``Elsewhere``).
 
     Workers start in the background when a shared-memory consumer first says HELLO, or
-    when a batch finds fewer than ``procs`` (the daemon assembles until one is ready).
-    Thread-safe: each prefetch thread takes an idle worker for one batch, or waits for one.
+    when a batch finds fewer than ``procs`` (the daemon assembles until one is ready). The
+    server loop hands batches out (``send``) and takes the answers (``finish``) as its poll
+    finds them (``Prefetcher.landed``); no thread waits on a worker.
 
     Args:
         tiers: the daemon's tier stack (what may go to a worker, and the accounting after).
@@ -149,9 +167,9 @@ class MissWorkers:
         self._writer = writer
         self.procs = procs
         self._rings = rings
-        self._cond = threading.Condition()
-        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
         self._all: list[_Worker] = []
+        self._free: list[_Worker] = []  # one entry per batch a worker can take now
         self._starting = 0
         self._failed_starts = 0
         self._closed = False
@@ -170,20 +188,51 @@ class MissWorkers:
             and not self._closed
         )
 
-    def assemble(
-        self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
-    ) -> Batch | None:
-        """Have a worker assemble this batch into a ring slot; None: not taken.
+    def takes(self, ids: np.ndarray, allocate: Allocate | None) -> bool:
+        """Whether this batch may go to a worker: bound for a ring slot, and not all in DRAM.
 
-        Not taken, the daemon assembles it (``Assembler.assemble``): a batch not bound for a
-        ring, one the store cannot hand to another process (``TierStack.readable_elsewhere``),
-        a full ring, or a worker that failed on it or died.
+        A batch DRAM holds whole is the daemon's to copy from DRAM: a worker would read the
+        store's pages again, from the disk where they are not cached.
         """
-        if not isinstance(allocate, RingAllocator) or not len(ids) or not self.enabled:
+        return (
+            isinstance(allocate, RingAllocator)
+            and self.enabled
+            and len(ids) > 0
+            and not self._tiers.in_dram(ids)
+        )
+
+    @property
+    def idle(self) -> int:
+        """Batches the workers can take now (each holds up to ``PIPELINE``)."""
+        return len(self._free) if self.enabled else 0
+
+    @property
+    def running(self) -> int:
+        """Workers started and not lost."""
+        return len(self._all) if self.enabled else 0
+
+    def send(
+        self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
+    ) -> Flight | None:
+        """Hand this batch to a worker and return at once (``finish`` takes its answer).
+
+        Not taken, the daemon assembles it: a batch not bound for a ring, one the store
+        cannot hand to another process (``TierStack.readable_elsewhere``), a full ring, no
+        worker free, or one whose socket broke.
+
+        Args:
+            ids: the batch's sample ids.
+            weights: their weights.
+            allocate: where the batch goes (a ring's ``RingAllocator``).
+
+        Returns:
+            The batch under way; None: not taken, nothing held.
+        """
+        if not isinstance(allocate, RingAllocator) or not self.enabled:
             return None
         missing = self._tiers.readable_elsewhere(ids)
-        if missing is None:
-            return None
+        if missing is None or not len(missing):
+            return None  # records in the arena, or (since ``takes``) all in DRAM
         worker = self._take()
         if worker is None:
             return None
@@ -191,80 +240,97 @@ class MissWorkers:
         if blank is None:
             self._give(worker)
             return None
-        try:
-            batch = self._assemble(worker, ids, weights, blank, missing)
-        except BaseException:
-            blank.release()
-            raise
-        if batch is None:
-            blank.release()
-            self.fallbacks += 1
-        return batch
-
-    def _assemble(
-        self,
-        worker: _Worker,
-        ids: np.ndarray,
-        weights: np.ndarray,
-        blank: BlankSlot,
-        missing: np.ndarray,
-    ) -> Batch | None:
         # A cold batch's reads go out together (those of records a tier holds need none).
         self._tiers.store.advise_known(missing.tolist())
         try:
-            reply = worker.call((blank.ring.name, blank.slot, ids, weights, tuple(self._rings())))
+            worker.conn.send((blank.ring.name, blank.slot, ids, weights, tuple(self._rings())))
+        except (EOFError, OSError):
+            blank.release()
+            self._lose(worker)
+            self.fallbacks += 1
+            return None
+        except BaseException:
+            blank.release()
+            self._give(worker)
+            raise
+        return Flight(worker, blank, ids)
+
+    def finish(self, flight: Flight) -> Batch | None:
+        """The batch a worker assembled (waits for its answer); None: assemble it here.
+
+        A worker answers its batches in the order they were sent. The slot is given back
+        when the worker failed on the batch or died; the records are accounted for
+        (``TierStack.read_elsewhere``) when it did not.
+        """
+        worker, blank = flight.worker, flight.blank
+        try:
+            reply = worker.conn.recv()
         except (EOFError, OSError):
             self._lose(worker)
-            return None
-        self._give(worker)
+            reply = ("lost", "the worker is gone")
+        except BaseException:
+            blank.release()
+            self._give(worker)
+            raise
+        else:
+            self._give(worker)
         if reply[0] != "ok":
             logger.debug("a miss worker did not assemble a batch: %s", reply[1])
+            blank.release()
+            self.fallbacks += 1
             return None
-        _, sizes, offsets, lengths = reply
-        placed = blank.place(sizes)
-        self._tiers.read_elsewhere(ids, offsets, lengths)
+        try:
+            _, sizes, offsets, lengths = reply
+            placed = blank.place(sizes)
+            self._tiers.read_elsewhere(flight.ids, offsets, lengths)
+        except BaseException:
+            blank.release()
+            raise
         self.batches += 1
         return self._writer.wrap(placed.frames, placed.lease)
+
+    def gone(self, flight: Flight) -> bool:
+        """Whether the batch's worker is gone (it answers none of its other batches)."""
+        return flight.worker.conn.closed
+
+    def abandon(self, flight: Flight) -> None:
+        """Give up on a batch under way (the daemon is closing): its slot and its worker."""
+        flight.blank.release()
+        self._lose(flight.worker, quiet=True)
 
     # --- the processes ------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the workers not running, in the background (a shm consumer said HELLO)."""
-        with self._cond:
+        with self._lock:
             while self.enabled and len(self._all) + self._starting < self.procs:
                 self._start_one()
 
     def _start_one(self) -> None:
-        """Start one more worker on a thread of its own (the condition is held)."""
+        """Start one more worker on a thread of its own (the lock is held)."""
         self._starting += 1
         threading.Thread(target=self._add, name="loaderd-miss-start", daemon=True).start()
 
     def _take(self) -> _Worker | None:
-        """An idle worker, or the next one freed; None while none has started yet.
+        """A worker with room for one more batch; None: none has.
 
         Fewer than ``procs`` running (one died), one more is started in the background
         (a process start takes a good part of a second): the batches meanwhile are the
         daemon's.
         """
-        with self._cond:
-            while True:
-                if not self.enabled:
-                    return None
-                if self._idle:
-                    return self._idle.pop()
-                if len(self._all) + self._starting < self.procs:
-                    self._start_one()
-                    return None
-                if not self._all:
-                    return None  # still starting
-                self._cond.wait()
+        with self._lock:
+            if not self.enabled:
+                return None
+            if len(self._all) + self._starting < self.procs:
+                self._start_one()
+            return self._free.pop() if self._free else None
 
     def _add(self) -> None:
         worker = None
         try:
             worker = self._start()
         finally:
-            with self._cond:
+            with self._lock:
                 self._starting -= 1
                 if worker is None:
                     self._failed_starts += 1
@@ -273,8 +339,7 @@ class MissWorkers:
                 else:
                     self._failed_starts = 0
                     self._all.append(worker)
-                    self._idle.append(worker)
-                self._cond.notify_all()
+                    self._free += [worker] * PIPELINE
 
     def _start(self) -> _Worker | None:
         forker = self._forker
@@ -295,25 +360,28 @@ class MissWorkers:
         return worker
 
     def _give(self, worker: _Worker) -> None:
-        with self._cond:
+        """Its room for one more batch is free again (unless it is lost meanwhile)."""
+        with self._lock:
             if self._closed:
                 worker.stop()
-                return
-            self._idle.append(worker)
-            self._cond.notify()
+            elif worker in self._all:
+                self._free.append(worker)
 
-    def _lose(self, worker: _Worker) -> None:
-        logger.warning("miss worker %d is gone", worker.pid)
-        self.lost += 1
-        with self._cond:
-            if worker in self._all:
-                self._all.remove(worker)
-            self._cond.notify_all()
+    def _lose(self, worker: _Worker, quiet: bool = False) -> None:
+        """It died or its socket broke (or the daemon gives up on it): stopped, not counted."""
+        with self._lock:
+            if worker not in self._all:
+                return  # lost already (a second batch it held found out too)
+            self._all.remove(worker)
+            self._free = [w for w in self._free if w is not worker]
+        if not quiet:
+            logger.warning("miss worker %d is gone", worker.pid)
+            self.lost += 1
         worker.stop()
 
     def pids(self) -> list[int]:
         """The worker processes' pids (for stats and tests)."""
-        with self._cond:
+        with self._lock:
             return [w.pid for w in self._all]
 
     def stats(self) -> dict[str, Any]:
@@ -333,10 +401,10 @@ class MissWorkers:
 
     def close(self) -> None:
         """Stop the workers (busy ones when their batch is done); safe to call twice."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
-            self._cond.notify_all()
+            idle = list({id(w): w for w in self._free}.values())
+            self._free = []
         for worker in idle:
             worker.stop()
         if self._forker is not None:

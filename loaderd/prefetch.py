@@ -24,7 +24,8 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -203,13 +204,38 @@ class BatchWriter:
         return Batch(ids, weights, columns, frames=frames, lease=lease)
 
 
-class Elsewhere(Protocol):
-    """Assembles a batch outside this interpreter (``loaderd.miss_workers``)."""
+class InFlight(Protocol):
+    """A batch handed to another process: its socket is readable once the answer is there."""
 
-    def assemble(
-        self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
-    ) -> Batch | None:
-        """The batch, or None: not taken (assemble it here)."""
+    def fileno(self) -> int:
+        """The socket its answer comes on."""
+
+
+class Elsewhere(Protocol):
+    """Assembles batches in other processes (``loaderd.miss_workers``), without waiting."""
+
+    @property
+    def running(self) -> int:
+        """Processes up to take batches."""
+
+    @property
+    def idle(self) -> int:
+        """Batches they can take now."""
+
+    def takes(self, ids: np.ndarray, allocate: Allocate | None) -> bool:
+        """Whether this batch, bound for this memory, may go to them."""
+
+    def send(self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None) -> Any:
+        """The batch handed out (an ``InFlight``), or None: not taken (assemble it here)."""
+
+    def finish(self, flight: Any) -> Batch | None:
+        """The batch ``send`` handed out (its socket is readable), or None: assemble it here."""
+
+    def gone(self, flight: Any) -> bool:
+        """Whether its process is gone (its other batches will not be answered)."""
+
+    def abandon(self, flight: Any) -> None:
+        """Give up on a batch under way (the daemon is closing)."""
 
 
 class Assembler(BatchWriter):
@@ -218,32 +244,22 @@ class Assembler(BatchWriter):
     Args:
         tiers: where records come from.
         schema: the store's schema.
-        elsewhere: takes batches that miss DRAM, to assemble them in worker processes;
-            None: every batch is assembled here.
     """
 
-    def __init__(
-        self, tiers: TierStack, schema: Schema, elsewhere: Elsewhere | None = None
-    ) -> None:
+    def __init__(self, tiers: TierStack, schema: Schema) -> None:
         super().__init__(schema)
         self.tiers = tiers
-        self.elsewhere = elsewhere
 
     def assemble(
         self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None = None
     ) -> Batch:
         """Read and copy one batch, into memory from ``allocate`` when it has some.
 
-        A batch whose records DRAM holds skips the read's per-record steps (``resident``);
-        one that misses goes to ``elsewhere`` first, if it takes it.
+        A batch whose records DRAM holds skips the read's per-record steps (``resident``).
         """
         batch = self.assemble_resident(ids, weights, allocate)
         if batch is not None:
             return batch
-        if self.elsewhere is not None:
-            batch = self.elsewhere.assemble(ids, weights, allocate)
-            if batch is not None:
-                return batch
         with self.tiers.read(ids) as records:
             return self._build(ids, weights, records, allocate)
 
@@ -287,6 +303,8 @@ class Prefetcher:
         inline_bytes: a batch expected to be at most this large (the store's mean record
             size times its samples) whose records DRAM holds is assembled by ``submit`` on
             the caller's thread; 0: every batch goes to the pool.
+        elsewhere: worker processes for batches that miss DRAM, driven from the caller's
+            loop once it ``watch``-es them; None: every batch is assembled here.
     """
 
     def __init__(
@@ -297,8 +315,10 @@ class Prefetcher:
         on_discard: Callable[[Batch], None] | None = None,
         max_workers: int | None = None,
         inline_bytes: int = INLINE_BYTES,
+        elsewhere: Elsewhere | None = None,
     ) -> None:
         self._assembler = assembler
+        self._elsewhere = elsewhere
         store = assembler.tiers.store
         mean = store.total_bytes // max(store.num_samples, 1)
         self._inline_samples = inline_bytes // max(mean, 1) if inline_bytes > 0 else 0
@@ -312,6 +332,10 @@ class Prefetcher:
         self._queue: RoundRobin[Key, _Queued] = RoundRobin()  # waiting for a worker, per stream
         self._done: list[Key] = []
         self._lock = threading.Lock()
+        # Batches for worker processes (``watch``): waiting for one, and under way by socket.
+        self._watch: tuple[Callable[[int], None], Callable[[int], None]] | None = None
+        self._worker_queue: RoundRobin[Key, tuple[Key, _Queued]] = RoundRobin()
+        self._flights: dict[int, deque[tuple[Key, _Queued, Any]]] = {}
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
@@ -331,11 +355,118 @@ class Prefetcher:
                 fut, ids, weights, allocate
             ):
                 return fut
-            fut.add_done_callback(partial(self._announce, key))
-            with self._lock:
-                self._queue.push(key[:2], _Queued(fut, ids, weights, allocate))
-            self._pool.submit(self._assemble_next)  # one task per batch: it takes the next one
+            item = _Queued(fut, ids, weights, allocate)
+            if not self._for_workers(key, item):
+                self._to_pool(key, item)
         return fut
+
+    def _to_pool(self, key: Key, item: _Queued) -> None:
+        """Queue a batch for the thread pool, announced (``completed``) when it is done."""
+        item.future.add_done_callback(partial(self._announce, key))
+        with self._lock:
+            self._queue.push(key[:2], item)
+        self._pool.submit(self._assemble_next)  # one task per batch: it takes the next one
+
+    # --- batches for worker processes, driven by the caller's loop ----------------------------
+
+    def watch(self, register: Callable[[int], None], unregister: Callable[[int], None]) -> None:
+        """Hand misses to ``elsewhere``'s processes from the caller's loop, which polls them.
+
+        Once called, a batch bound for memory a worker process can fill (``Elsewhere.takes``)
+        waits in a queue of its own and goes to the next worker with room; the loop polls
+        the file descriptors given to ``register`` and passes those it found readable to
+        ``landed``. No thread waits on a worker (``loaderd.miss_workers``).
+        """
+        self._watch = (register, unregister)
+
+    def _for_workers(self, key: Key, item: _Queued) -> bool:
+        """Queue a batch for a worker process; False: it is not theirs (the pool's)."""
+        elsewhere = self._elsewhere
+        if self._watch is None or elsewhere is None or not elsewhere.running:
+            return False
+        if not elsewhere.takes(item.ids, item.allocate):
+            return False
+        self._worker_queue.push(key[:2], (key, item))
+        self._dispatch()
+        return True
+
+    def _dispatch(self) -> None:
+        """Send queued batches to workers with room; with none running, the pool takes them."""
+        elsewhere, watch = self._elsewhere, self._watch
+        assert elsewhere is not None and watch is not None
+        while self._worker_queue and (elsewhere.idle or not elsewhere.running):
+            got = self._worker_queue.pop()
+            assert got is not None
+            key, item = got[1]
+            if item.future.cancelled():
+                continue  # dropped while it waited
+            flight = elsewhere.send(item.ids, item.weights, item.allocate)
+            if flight is None:
+                self._to_pool(key, item)
+                self._sweep()  # a worker whose socket broke on the send: its other batches
+                continue
+            fd = flight.fileno()
+            queue = self._flights.get(fd)
+            if queue is None:
+                queue = self._flights[fd] = deque()
+                watch[0](fd)
+            queue.append((key, item, flight))
+
+    def landed(self, readable: Collection[Any]) -> list[Key]:
+        """Take one answer from each worker whose socket is ``readable``; keys finished.
+
+        A batch a worker did not assemble goes to the pool, and so do the others it held
+        when it is gone; one dropped while under way gives its memory back. Then queued
+        batches go to the workers with room.
+        """
+        elsewhere, watch = self._elsewhere, self._watch
+        done: list[Key] = []
+        if elsewhere is None or watch is None:
+            return done
+        for fd in [fd for fd in self._flights if fd in readable]:
+            queue = self._flights[fd]
+            key, item, flight = queue.popleft()
+            try:
+                batch = elsewhere.finish(flight)
+            except Exception as e:
+                batch = None
+                if not item.future.cancelled():
+                    item.future.set_exception(e)
+                    done.append(key)
+            else:
+                if batch is None:
+                    if not item.future.cancelled():
+                        self._to_pool(key, item)
+                elif item.future.cancelled():
+                    if self._on_discard is not None:
+                        self._on_discard(batch)
+                else:
+                    item.future.set_result(batch)
+                    done.append(key)
+            if not queue:
+                del self._flights[fd]
+                watch[1](fd)
+        self._sweep()
+        self._dispatch()
+        return done
+
+    def _sweep(self) -> None:
+        """Batches held by workers that are gone go to the pool, and their sockets unwatched.
+
+        Done before the loop polls again: a closed socket must not stay in its poll, where
+        its number may soon be another worker's.
+        """
+        elsewhere, watch = self._elsewhere, self._watch
+        assert elsewhere is not None and watch is not None
+        for fd, queue in list(self._flights.items()):
+            if not elsewhere.gone(queue[0][2]):
+                continue
+            del self._flights[fd]
+            watch[1](fd)
+            for key, item, flight in queue:
+                elsewhere.finish(flight)  # None at once: its slot back, a fallback counted
+                if not item.future.cancelled():
+                    self._to_pool(key, item)
 
     def _assemble_here(
         self, fut: Future[Batch], ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None
@@ -457,8 +588,15 @@ class Prefetcher:
         self.gate.set_limit(self.max_workers)  # no started assembly waits behind a low limit
         with self._lock:
             queued = self._queue.drain()
+        queued += [item for _, item in self._worker_queue.drain()]
         for item in queued:
             item.future.cancel()
+        for queue in self._flights.values():
+            for _, item, flight in queue:
+                item.future.cancel()
+                if self._elsewhere is not None:
+                    self._elsewhere.abandon(flight)
+        self._flights.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for fd in (self.wake_fd, self._wake_w):
             with contextlib.suppress(OSError):

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,7 +130,6 @@ class Server:
         self.misses = MissWorkers(
             self.tiers, assembler, config.prefetch.miss_procs, forker, self.shm.ring_names
         )
-        assembler.elsewhere = self.misses
         self.misses.start()
         self.prefetcher = Prefetcher(
             assembler,
@@ -137,6 +137,7 @@ class Server:
             allocator_for=self.shm.allocator_for,
             on_discard=self.shm.discard,
             max_workers=autotune_daemon.max_workers(config),
+            elsewhere=self.misses,
         )
         self.readahead = ReadAhead(
             self.store,
@@ -206,6 +207,7 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.prefetcher.wake_fd, zmq.POLLIN)
+        self.prefetcher.watch(partial(poller.register, flags=zmq.POLLIN), poller.unregister)
         if self.cluster is not None:
             poller.register(self.cluster.wake_fd, zmq.POLLIN)
         logger.info(
@@ -227,6 +229,8 @@ class Server:
                 if self.prefetcher.wake_fd in events:
                     for key in self.prefetcher.completed():
                         self._deliver(BatchKey(*key))
+                for key in self.prefetcher.landed(events):
+                    self._deliver(BatchKey(*key))
                 if self.cluster is not None:
                     self._cluster_turn(self.cluster.wake_fd in events)
                 if time.monotonic() >= next_tick:

@@ -327,6 +327,11 @@ class TierStack:
         with self._lock:
             return self.policy.lookup_many(ids) >= 0
 
+    def in_dram(self, ids: np.ndarray) -> bool:
+        """Whether DRAM holds every one of ``ids`` now (at least one)."""
+        with self._lock:
+            return self.policy.all_in(ids, DRAM)
+
     def _in_arena(self, sid: int) -> bool:
         return sid in self._pending or (self.arena is not None and sid in self.arena)
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from loaderd.client import LoaderdDataset
+from loaderd.client.connection import Connection
+from loaderd.client.protocol import PROTOCOL_VERSION, MsgType
+from loaderd.miss_workers import PIPELINE
 from loaderd.shm_ring import process_alive
 from tests.helpers import Daemon, wait_until
 from tests.integration.test_datapath import IMAGE, N, admitted, check_epoch, stats, store
@@ -116,3 +121,78 @@ def test_miss_workers_exit_with_their_daemon(
         d.kill()  # SIGKILL: no shutdown code runs
         for pid in pids:
             wait_until(lambda pid=pid: not process_alive(pid), what=f"miss worker {pid} to exit")
+
+
+def test_batches_a_stopped_worker_holds_are_served_when_it_is_killed(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    # Each worker holds up to two batches (one it assembles, one waiting in its socket).
+    # Both workers stopped, the first batches of a pass go to them and wait; killed, every
+    # batch they held is assembled by the daemon, and the pass is still exactly once.
+    extra = ["--dram-bytes", "256KiB"]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="stop", batch_size=8)
+        ds.connect()
+        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        pids = stats(d.address)["miss_workers"]["pids"]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        seen: list[int] = []
+        errors: list[BaseException] = []
+
+        def epoch() -> None:
+            try:
+                seen.extend(check_epoch(ds, store[1]))
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=epoch)
+        t.start()
+        time.sleep(1.0)
+        assert not seen, "nothing is served while the workers hold the first batches"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        t.join(timeout=30)
+        assert not t.is_alive() and not errors
+        assert sorted(seen) == list(range(N))
+        after = stats(d.address)["miss_workers"]
+        assert after["lost"] == 2 and after["fallbacks"] == 2 * PIPELINE
+        assert after["enabled"]
+        ds.close()
+
+
+def test_batches_dropped_while_workers_hold_them_give_their_slots_back(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    # The workers are stopped while they hold the batches a pass assembles ahead, and the
+    # job is reset meanwhile: the batches are dropped under way. Once the workers answer,
+    # their slots must come back (a ring that leaked them would run dry).
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "256KiB"]) as d:
+        with Connection(d.address) as conn:
+            hello = {
+                "job": "drop",
+                "rank": 0,
+                "world_size": 1,
+                "seed": 0,
+                "batch_size": 8,
+                "options": {},
+            }
+            conn.request(
+                MsgType.HELLO,
+                {**hello, "version": PROTOCOL_VERSION, "pid": os.getpid(), "shm": True},
+                expect=MsgType.WELCOME,
+            )
+            wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+            pids = stats(d.address)["miss_workers"]["pids"]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            base = {"job": "drop", "rank": 0, "worker": 0, "phase": "train"}
+            conn.request(MsgType.OPEN_PASS, base, expect=MsgType.PASS)  # assembles ahead
+            wait_until(lambda: stats(d.address)["shm"]["lent"] == 2 * PIPELINE)
+            conn.request(MsgType.JOB_RESET, {"job": "drop", "force": True}, expect=MsgType.OK)
+        assert stats(d.address)["shm"]["lent"] == 2 * PIPELINE  # still under way
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: stats(d.address)["shm"]["lent"] == 0, what="their slots given back")
+        workers = stats(d.address)["miss_workers"]
+        assert workers["lost"] == workers["fallbacks"] == 0
