@@ -256,9 +256,10 @@ class MissWorkers:
         return Flight(worker, blank, ids)
 
     def finish(self, flight: Flight) -> Batch | None:
-        """The batch a worker assembled (waits for its answer); None: assemble it here.
+        """The batch a worker assembled; None: assemble it here.
 
-        A worker answers its batches in the order they were sent. The slot is given back
+        Called once its socket is readable (or its worker is gone): the answer is there and
+        this does not wait. A worker answers its batches in the order they were sent. The slot is given back
         when the worker failed on the batch or died; the records are accounted for
         (``TierStack.read_elsewhere``) when it did not.
         """
