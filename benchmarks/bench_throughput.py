@@ -543,7 +543,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", default=["100k", "3k"], choices=["100k", "3k"])
     p.add_argument("--n-100k", type=int, default=4000, help="samples of 100 KB (issue: 20000)")
     p.add_argument("--n-3k", type=int, default=40000, help="samples of 3 KB (issue: 200000)")
-    p.add_argument("--epochs", type=int, default=2, help="warm epochs; the best counts")
+    p.add_argument("--epochs", type=int, default=4, help="warm epochs; the best counts")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2, 8])
     p.add_argument("--trainers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--shm-slots", type=int, default=64)
