@@ -259,9 +259,9 @@ class MissWorkers:
         """The batch a worker assembled; None: assemble it here.
 
         Called once its socket is readable (or its worker is gone): the answer is there and
-        this does not wait. A worker answers its batches in the order they were sent. The slot is given back
-        when the worker failed on the batch or died; the records are accounted for
-        (``TierStack.read_elsewhere``) when it did not.
+        this does not wait. A worker answers its batches in the order they were sent. The
+        slot is given back when the worker failed on the batch or died; the records are
+        accounted for (``TierStack.read_elsewhere``) when it did not.
         """
         worker, blank = flight.worker, flight.blank
         try:

@@ -325,7 +325,7 @@ class Prefetcher:
         store = assembler.tiers.store
         mean = store.total_bytes // max(store.num_samples, 1)
         self._inline_samples = inline_bytes // max(mean, 1) if inline_bytes > 0 else 0
-        self.inline = 0  # batches assembled on the caller's thread (all in DRAM, small)
+        self.inline = 0  # batches assembled on the caller's thread (all in DRAM, <= inline_bytes)
         self.gate = Gate(workers)
         self.max_workers = max(workers, max_workers or workers)
         self._allocator_for = allocator_for
@@ -346,8 +346,9 @@ class Prefetcher:
     def submit(self, key: Key, ids: np.ndarray, weights: np.ndarray) -> Future[Batch]:
         """Start assembling ``key`` unless it is already under way; returns its future.
 
-        A small batch whose records DRAM holds is assembled here and now: its future is done
-        when this returns, and it is not announced (``completed``), so the caller looks.
+        A batch whose records DRAM holds, up to ``inline_bytes``, is assembled here and now:
+        its future is done when this returns, and it is not announced (``completed``), so
+        the caller looks.
         """
         fut = self._futures.get(key)
         if fut is None:
