@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--shm-slot-bytes",
         type=_size,
-        help="bytes per ring slot, e.g. 8MiB (default: one batch of the first job)",
+        help="bytes per ring slot, e.g. 8MiB (default: one batch of each job, a ring per size)",
     )
     s.add_argument(
         "--shm-bytes",

@@ -26,8 +26,12 @@ A consumer's entry goes when its process is found dead, or when its connection c
 clients leave nothing behind. A closed connection's slots stay lent while its process may
 live: the trainer's tensors may still view them (at most the ring's slots stay so).
 
-When every slot is lent, the batch is assembled in fresh memory and goes over the socket:
-a full ring costs a copy, never a stall or a deadlock between read-ahead and consumers.
+A ring sized automatically takes at most half of what the cap has left (but 16 slots, what
+one job holds at once), so the first job's ring leaves room for later jobs' batch sizes. When
+every slot of a job's ring is lent, or a batch outgrew its slots (variable-length fields), the
+batch borrows a free slot of another ring whose slots hold it, the smallest first. Only when
+no ring has one is it assembled in fresh memory and sent over the socket: a full ring costs a
+copy, never a stall or a deadlock between read-ahead and consumers.
 
 A ring is removed once no consumer has used it for ``_IDLE_S`` (no consumer of a job that
 maps to it, none holding one of its slots) and none of its slots is lent: one job with huge
@@ -70,6 +74,9 @@ BatchKey = tuple[Any, ...]  # opaque here but for its first element, the job's n
 _PREFETCH = "prefetch"  # ring owner of a slot assembled ahead of demand
 _MAX_SHM_SHARE = 4  # rings never take more than a quarter of what is free in /dev/shm
 _MIN_SLOTS = 4  # fewer (automatic sizing) and the socket serves the job as well
+# An automatic ring may take more than half of what the cap has left up to this many slots:
+# a job's read-ahead (8 batches) plus what a DataLoader's workers hold; fewer cost copies.
+_HALF_FLOOR_SLOTS = 16
 _MAX_REASONS = 256  # jobs whose reason for the socket path stats remember
 _MAX_CONSUMERS = 1 << 12  # entries kept; past it the oldest holding nothing are forgotten
 # A ring unused this long is removed: long enough for a trainer's DataLoader workers to come
@@ -126,19 +133,20 @@ class BlankSlot:
 
 @dataclass(frozen=True, slots=True)
 class RingAllocator:
-    """``Allocate`` from one job's ring (prefetch workers call it, and ``lend``)."""
+    """``Allocate`` for one job, from its ring or another's (prefetch workers call it)."""
 
     delivery: ShmDelivery
     ring: LentRing
 
     def __call__(self, sizes: Sequence[int]) -> Placed | None:
-        """A slot laid out for frames of these sizes; None: they do not fit, or none is free."""
-        return self.delivery._allocate(self.ring, sizes)
+        """A slot laid out for frames of these sizes; None: no ring has a free slot that big."""
+        got = self.delivery._acquire(self.ring, layout_bytes(sizes))
+        return None if got is None else self.delivery._place(*got, sizes)
 
     def lend(self) -> BlankSlot | None:
-        """A free slot, to be laid out once its batch is measured; None: none is free."""
-        slot = self.delivery._acquire(self.ring)
-        return None if slot is None else BlankSlot(self.delivery, self.ring, slot)
+        """A free slot as large as the job's, laid out once its batch is measured; None: none."""
+        got = self.delivery._acquire(self.ring, self.ring.slot_bytes)
+        return None if got is None else BlankSlot(self.delivery, *got)
 
 
 @dataclass(slots=True)
@@ -210,8 +218,11 @@ class ShmDelivery:
             return self._refuse(job, f"a batch of {batch_size} needs {need}-byte slots")
         left = self._budget() - sum(_ring_bytes(r.slots, r.slot_bytes) for r in self.rings)
         want = self.config.slots or self.config.auto_slots
-        slots = min(want, MAX_SLOTS, max(left, 0) // slot)
-        while slots and _ring_bytes(slots, slot) > left:
+        room = left
+        if self.config.slots is None:  # leave half to the jobs that come later
+            room = min(left, max(left // 2, _ring_bytes(_HALF_FLOOR_SLOTS, slot)))
+        slots = min(want, MAX_SLOTS, max(room, 0) // slot)
+        while slots and _ring_bytes(slots, slot) > room:
             slots -= 1
         if slots < (want if self.config.slots is not None else _MIN_SLOTS):
             return self._refuse(
@@ -290,17 +301,19 @@ class ShmDelivery:
             return None
         return RingAllocator(self, ring)
 
-    def _allocate(self, ring: LentRing, sizes: Sequence[int]) -> Placed | None:
-        if layout_bytes(sizes) > ring.slot_bytes:
-            return None  # variable-length fields made this batch larger than a slot
-        slot = self._acquire(ring)
-        return None if slot is None else self._place(ring, slot, sizes)
+    def _acquire(self, own: LentRing, need: int) -> tuple[LentRing, int] | None:
+        """A free slot of at least ``need`` bytes: the job's own ring's, else a borrowed one.
 
-    def _acquire(self, ring: LentRing) -> int | None:
-        slot = ring.acquire(_PREFETCH)
-        if slot is None:
-            self.ring_full += not ring.retired
-        return slot
+        Borrowed from the ring with the smallest such slots. ``self.rings`` is read as a
+        snapshot: prefetch workers call this while the server loop adds and removes rings.
+        """
+        rings = [r for r in list(self.rings) if r.slot_bytes >= need]
+        for ring in sorted(rings, key=lambda r: (r is not own, r.slot_bytes)):
+            slot = ring.acquire(_PREFETCH)  # None when every slot is lent, or it is retired
+            if slot is not None:
+                return ring, slot
+        self.ring_full += 1
+        return None
 
     def _place(self, ring: LentRing, slot: int, sizes: Sequence[int]) -> Placed:
         desc = ring.layout(slot, sizes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import pytest
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
+from loaderd.client.shm import SHM_DIR
+from loaderd.consumers import pid_namespace
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store_writer import StoreWriter
 from tests.helpers import Daemon, evict, wait_until
@@ -217,6 +220,53 @@ def test_jobs_of_different_batch_sizes_both_use_shared_memory(
     assert len(s["rings"]) == 2 and s["rings"][1]["slot_bytes"] >= 48 * IMAGE
     small.close()
     big.close()
+
+
+def test_the_first_ring_leaves_room_for_a_later_job_with_bigger_batches(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """32 slots for the first job would take nearly all of the cap; it takes about half, and
+    a later job whose batches are three times as large still gets shared memory."""
+    cap = 24 << 20
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--shm-bytes", str(cap)]) as d:
+        first = LoaderdDataset(d.address, job="first", batch_size=12)
+        assert sorted(check_epoch(first, store[1])) == list(range(N))
+        ring = stats(d.address)["shm"]["rings"][0]
+        assert 32 * ring["slot_bytes"] > cap * 0.9, "the cap is tight for 32 of its slots"
+        assert ring["slots"] * ring["slot_bytes"] <= cap // 2 + ring["slot_bytes"]
+        later = LoaderdDataset(d.address, job="later", batch_size=36)
+        assert sorted(check_epoch(later, store[1])) == list(range(N))
+        s = stats(d.address)["shm"]
+        assert not s["socket_jobs"] and s["socket_fallbacks"] == 0
+        assert len(s["rings"]) == 2 and s["rings"][1]["slot_bytes"] >= 36 * IMAGE
+        assert sum((SHM_DIR / r["name"]).stat().st_size for r in s["rings"]) <= cap
+        first.close()
+        later.close()
+
+
+def test_a_full_ring_borrows_free_slots_of_a_larger_one(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Rings of four slots and three batches read ahead: a job's own ring cannot hold what it
+    has in flight, and the batches past it go into free slots of another job's larger ring,
+    not over the socket."""
+    extra = ["--shm-slots", "4", "--prefetch", "3"]
+    with (
+        Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d,
+        Connection(d.address) as wide,
+    ):
+        hello = {"job": "wide", "rank": 0, "world_size": 1, "seed": 0, "batch_size": 24}
+        hello |= {"options": {}, "pid": os.getpid(), "pidns": pid_namespace(), "shm": True}
+        wide.request(MsgType.HELLO, hello, expect=MsgType.WELCOME)  # a ring, nothing read yet
+        narrow = LoaderdDataset(d.address, job="narrow", batch_size=4, prefetch=1)
+        for _ in range(2):
+            assert sorted(check_epoch(narrow, store[1])) == list(range(N))
+        s = stats(d.address)["shm"]
+        assert [r["slots"] for r in s["rings"]] == [4, 4]
+        assert s["rings"][0]["slot_bytes"] > s["rings"][1]["slot_bytes"]
+        assert s["socket_fallbacks"] == 0 and s["ring_full"] == 0
+        assert s["delivered"] == 2 * N // 4
+        narrow.close()
 
 
 @pytest.mark.parametrize("queue", ["1", "0"])
