@@ -493,6 +493,24 @@ class SampleStore:
         """``posix_fadvise(WILLNEED)`` on the records' pages, joined; returns the calls made."""
         return self._fadvise(*index.ranges(ids, ADVISE_GAP, _PAGE))
 
+    def advise_tree(self) -> int:
+        """Ask the kernel to read the pages every lookup goes through, without waiting.
+
+        A lookup through LMDB (a miss worker's, or this process's before a record is sliced
+        from the map) reads the meta pages and a branch and leaf page of the samples tree.
+        Not asked for, a cold one is read on its own when a reader faults on it, queued behind
+        the read-ahead's records: measured on a cold store of 20,000 records of 100 KB, the
+        first batch came after 250-400 ms with the tree cold, 80 ms with it cached.
+
+        Returns:
+            The pages asked for (0 without a value index).
+        """
+        index = self.value_index
+        if index is None or not len(index.tree_pages):
+            return 0
+        self._fadvise(*block_ranges(index.tree_pages, index.page_bytes))
+        return len(index.tree_pages)
+
     def _fadvise(self, starts: np.ndarray, lengths: np.ndarray) -> int:
         fd = self._advise_fd()
         for off, n in zip(starts.tolist(), lengths.tolist(), strict=True):

@@ -13,6 +13,10 @@ The format read is LMDB 0.9's (the one py-lmdb bundles), 64-bit, native byte ord
 index is a hint only: records are still read and verified through LMDB, so a wrong offset
 could cost speed, never bytes. Anything unexpected (another engine version, a page that does
 not parse, ids that are not 0..N-1) gives no index, and the caller reads ahead without one.
+
+The walk also keeps the pages it read (the meta pages, and the branch and leaf pages of
+``samples``): every lookup through LMDB reads those, and a reader that finds one cold reads it
+on its own, behind whatever the read-ahead has queued.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +53,10 @@ class ValueIndex:
 
     offsets: np.ndarray  # int64 [N]
     lengths: np.ndarray  # uint32 [N]
+    # The pages a lookup of any sample may read, page numbers sorted (the meta pages and the
+    # samples tree's branch and leaf pages), and the page size.
+    tree_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    page_bytes: int = 4096
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -153,7 +161,9 @@ class _Walker:
         if num_samples == 0:
             return ValueIndex(offsets, lengths)
         level = [root]
+        tree = [0, 1]  # the meta pages: a read transaction starts from them
         for _ in range(_MAX_DEPTH):
+            tree += level
             pages = self._read_pages(level)
             children: list[int] = []
             leaves: list[tuple[int, bytes]] = []
@@ -176,7 +186,7 @@ class _Walker:
             raise _Unreadable(f"{int((offsets < 0).sum())} of {num_samples} ids not found")
         if int((offsets + lengths).max()) > self.size:
             raise _Unreadable("a value lies past the end of the file")
-        return ValueIndex(offsets, lengths)
+        return ValueIndex(offsets, lengths, np.unique(np.array(tree, np.int64)), self.psize)
 
     def _committed_main_root(self) -> int:
         best: tuple[int, int] | None = None

@@ -55,6 +55,53 @@ def test_value_index_points_at_every_record(store_path: Path) -> None:
         assert index.nbytes(np.arange(N)) == store.total_bytes
 
 
+def test_value_index_keeps_the_pages_every_lookup_reads(store_path: Path) -> None:
+    """The meta pages, then the branch and leaf pages of the samples tree, each once."""
+    with SampleStore(store_path) as store:
+        index = store.value_index
+        assert index is not None
+        tree, psize = index.tree_pages, index.page_bytes
+        assert list(tree[:2]) == [0, 1] and (np.diff(tree) > 0).all()
+        leaves = 0
+        with open(store_path / "data.mdb", "rb") as f:
+            for pgno in tree[2:].tolist():
+                page = os.pread(f.fileno(), psize, pgno * psize)
+                assert int.from_bytes(page[:8], "little") == pgno
+                flags = int.from_bytes(page[10:12], "little")
+                assert flags & 0x03, f"page {pgno} is a branch or leaf page"
+                leaves += bool(flags & 0x02)
+        # Every sample's key lies in a leaf page: 200 of them need more than one.
+        assert leaves > 1 and len(tree) < N
+
+
+def test_a_new_pass_asks_for_the_tree_pages_before_its_records(tmp_path: Path) -> None:
+    """Its readers look each record up through those pages: a cold one would be read on its
+    own, behind the window. Here every record is cached, so only the tree is asked for."""
+    plan = plan_pass(
+        np.arange(1000), np.ones(1000, np.float32), seed=0, epoch=0, phase="train",
+        world_size=1, batch_size=8,
+    )[0]  # fmt: skip
+    path = make_store(tmp_path / "s.db", 1000)  # no lookup has mapped most of its leaves
+    with SampleStore(path) as store:
+        index = store.value_index
+        assert index is not None
+        ra = ReadAhead(store, lambda ids: np.ones(len(ids), bool), 1 << 30)
+        try:
+            evict(path)  # but the pages this process maps (the meta pages, the root)
+            cold = index.tree_pages[~file_cached(path)[index.tree_pages]]
+            if len(cold) < 3:
+                pytest.skip("the page cache cannot be emptied here")
+            ra.follow(("j", 0, 0, "train"), plan, 0)
+            wait_until(lambda: file_cached(path)[cold].all(), what="the tree's pages")
+            assert ra.stats()["tree_pages"] == len(index.tree_pages)
+            assert ra.stats()["advised_records"] == 0
+            ra.follow(("j", 0, 0, "train"), plan, 2)  # the same pass moving asks nothing again
+            ra.follow(("j", 0, 1, "train"), plan, 0)  # the next pass asks again
+            wait_until(lambda: ra.stats()["tree_pages"] == 2 * len(index.tree_pages), what="2")
+        finally:
+            ra.close()
+
+
 def test_value_index_of_a_damaged_file_is_none(tmp_path: Path) -> None:
     bad = tmp_path / "data.mdb"
     bad.write_bytes(b"\0" * 8192)
