@@ -248,6 +248,28 @@ def test_small_records_are_read_ahead_in_blocks_each_once_a_pass(tmp_path: Path)
             ra.close()
 
 
+def test_records_read_before_their_advice_do_not_say_the_store_is_cached(tmp_path: Path) -> None:
+    """At a pass's start the workers read its first batches while the read-ahead begins, so
+    the read-ahead finds those pages cached. Taken as a sign that the store is cached, they
+    had the next batches of a cold store go unadvised, read one fault at a time."""
+    path = make_store(tmp_path / "s.db", 400)
+    batches = np.arange(400).reshape(-1, 8)
+    with SampleStore(path) as store:
+        assert store.value_index is not None and store.prefaulting  # the probe is on
+        evict(path)
+        if file_cached(path)[1 + int(store.value_index.offsets[-1]) // mmap.PAGESIZE]:
+            pytest.skip("the page cache cannot be emptied here")
+        for ids in batches[:4]:  # a reader first: advised as it reads
+            store.advise_known(ids)
+            with store.views(ids.tolist()) as views:
+                assert all(len(v) for v in views)
+        for ids in batches[:4]:  # then the read-ahead: cached pages
+            store.advise(ids)
+        for ids in batches[4:8]:  # cold batches the read-ahead comes to first: each asked for
+            assert store.advise(ids)[1] > 0
+        assert store.advice_skipped == 0
+
+
 def test_readahead_window_holds_its_budget_and_follows_the_pass(store_path: Path) -> None:
     with SampleStore(store_path) as store:
         budget = 500_000  # two batches of 8 samples (~210 KB each)
