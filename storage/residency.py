@@ -8,7 +8,9 @@ quarter of the daemon's time on a warm miss. Asking which pages are resident cos
 probes in a row found every page resident, the batches between probes are not advised; the
 first probe that finds a page missing advises again at once. A store larger than the page
 cache, or one evicted meanwhile, is advised as before within ``every`` batches; a page
-evicted between probes is faulted in by its reader, never read wrong.
+evicted between probes is faulted in by its reader, never read wrong. A batch a reader took
+before its advice is not probed (``SampleStore.advise``): its pages are cached because they
+were just read.
 """
 
 from __future__ import annotations
