@@ -14,9 +14,10 @@ index is a hint only: records are still read and verified through LMDB, so a wro
 could cost speed, never bytes. Anything unexpected (another engine version, a page that does
 not parse, ids that are not 0..N-1) gives no index, and the caller reads ahead without one.
 
-The walk also keeps the pages it read (the meta pages, and the branch and leaf pages of
-``samples``): every lookup through LMDB reads those, and a reader that finds one cold reads it
-on its own, behind whatever the read-ahead has queued.
+The walk also keeps the pages every lookup through LMDB reads and no record's advice covers:
+the meta pages, the branch pages of ``samples``, and its leaf pages that hold only pointers to
+values stored in pages of their own (a leaf holding values is read with them). A reader that
+finds one of those cold reads it on its own, behind whatever the read-ahead has queued.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class ValueIndex:
 
     offsets: np.ndarray  # int64 [N]
     lengths: np.ndarray  # uint32 [N]
-    # The pages a lookup of any sample may read, page numbers sorted (the meta pages and the
-    # samples tree's branch and leaf pages), and the page size.
+    # The pages a lookup reads that hold no record (the meta pages, the samples tree's branch
+    # pages and its leaves of pointers only), page numbers sorted; and the page size.
     tree_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     page_bytes: int = 4096
 
@@ -163,7 +164,6 @@ class _Walker:
         level = [root]
         tree = [0, 1]  # the meta pages: a read transaction starts from them
         for _ in range(_MAX_DEPTH):
-            tree += level
             pages = self._read_pages(level)
             children: list[int] = []
             leaves: list[tuple[int, bytes]] = []
@@ -171,12 +171,14 @@ class _Walker:
                 flags = _U16.unpack_from(page, _HDR - 6)[0]
                 if flags & _P_BRANCH:
                     children += self._branch_children(page)
+                    tree.append(pgno)
                 elif flags & _P_LEAF and not flags & _P_LEAF2:
                     leaves.append((pgno, page))
                 else:
                     raise _Unreadable(f"page {pgno} is neither branch nor leaf (0x{flags:x})")
             for pgno, page in leaves:
-                self._leaf_values(pgno, page, offsets, lengths)
+                if self._leaf_values(pgno, page, offsets, lengths):
+                    tree.append(pgno)  # pointers only: no record's advice reads it
             if not children:
                 break
             level = children
@@ -261,8 +263,10 @@ class _Walker:
 
     def _leaf_values(
         self, pgno: int, page: bytes, offsets: np.ndarray, lengths: np.ndarray
-    ) -> None:
+    ) -> bool:
+        """Index the leaf's values; whether every one lies in overflow pages of its own."""
         ps, n = self.psize, len(offsets)
+        pointers_only = True
         for o, lo, hi, nflags, ksize in self._nodes(page):
             if ksize != 8:
                 raise _Unreadable(f"key of {ksize} bytes, expected 8")
@@ -273,4 +277,6 @@ class _Walker:
                 offsets[sid] = _U64.unpack_from(page, o + 16)[0] * ps + _HDR
             else:
                 offsets[sid] = pgno * ps + o + 16
+                pointers_only = False
             lengths[sid] = lo | hi << 16
+        return pointers_only

@@ -70,8 +70,24 @@ def test_value_index_keeps_the_pages_every_lookup_reads(store_path: Path) -> Non
                 flags = int.from_bytes(page[10:12], "little")
                 assert flags & 0x03, f"page {pgno} is a branch or leaf page"
                 leaves += bool(flags & 0x02)
-        # Every sample's key lies in a leaf page: 200 of them need more than one.
+        # Its values have pages of their own: the leaves hold pointers, and 200 need several.
         assert leaves > 1 and len(tree) < N
+
+
+def test_leaves_that_hold_records_are_not_tree_pages(tmp_path: Path) -> None:
+    """A record's advice reads the leaf it lies in: the tree adds only the branch pages."""
+    schema = Schema((Field("blob", "binary"), Field("label", "int64")))
+    codec = RecordCodec(schema)
+    with StoreWriter(tmp_path / "s.db", schema) as w:
+        w.append(codec.encode({"blob": bytes(100), "label": i}) for i in range(3000))
+    with SampleStore(tmp_path / "s.db") as store:
+        index = store.value_index
+        assert index is not None
+        psize = index.page_bytes
+        holding = set((index.offsets // psize).tolist())  # the leaves the records lie in
+        assert len(holding) > 10
+        assert not holding & set(index.tree_pages.tolist())
+        assert 2 < len(index.tree_pages) < 2 + len(holding) // 10  # meta, root, a few branches
 
 
 def test_a_new_pass_asks_for_the_tree_pages_before_its_records(tmp_path: Path) -> None:
