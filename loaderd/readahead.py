@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 StreamKey = tuple[Any, ...]  # (job, rank, epoch, phase) from the server
 # A batch is read in blocks only where its new blocks take at most this share of the budget;
-# else its records' own pages are (a small budget still holds several batches ahead).
+# else its records' own pages are (a small budget still holds several batches ahead). The
+# store's leaves of pointers are asked for at a pass's start only within the same share.
 _BLOCK_SHARE = 4
 
 
@@ -277,7 +278,7 @@ class ReadAhead:
     def _advise_tree(self) -> None:
         """Ask for the pages every lookup reads, ahead of a new pass's records."""
         try:
-            pages = self.store.advise_tree()
+            pages = self.store.advise_tree(self.budget_bytes // _BLOCK_SHARE)
         except Exception:
             logger.exception("read-ahead of the store's tree pages failed; going on without it")
             return

@@ -17,7 +17,9 @@ not parse, ids that are not 0..N-1) gives no index, and the caller reads ahead w
 The walk also keeps the pages every lookup through LMDB reads and no record's advice covers:
 the meta pages, the branch pages of ``samples``, and its leaf pages that hold only pointers to
 values stored in pages of their own (a leaf holding values is read with them). A reader that
-finds one of those cold reads it on its own, behind whatever the read-ahead has queued.
+finds one of those cold reads it on its own, behind whatever the read-ahead has queued. The
+two kinds are kept apart: the inner pages are a handful, the leaves of pointers grow with the
+store, so the read-ahead asks for those only when they fit its budget.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ class ValueIndex:
 
     offsets: np.ndarray  # int64 [N]
     lengths: np.ndarray  # uint32 [N]
-    # The pages a lookup reads that hold no record (the meta pages, the samples tree's branch
-    # pages and its leaves of pointers only), page numbers sorted; and the page size.
-    tree_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # The pages a lookup reads that hold no record, page numbers sorted: the meta and branch
+    # pages (a few), and the leaves holding only pointers to values (one per ~160 records).
+    inner_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    leaf_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     page_bytes: int = 4096
 
     def __len__(self) -> int:
@@ -162,7 +165,8 @@ class _Walker:
         if num_samples == 0:
             return ValueIndex(offsets, lengths)
         level = [root]
-        tree = [0, 1]  # the meta pages: a read transaction starts from them
+        inner = [0, 1]  # the meta pages: a read transaction starts from them
+        pointer_leaves: list[int] = []
         for _ in range(_MAX_DEPTH):
             pages = self._read_pages(level)
             children: list[int] = []
@@ -171,14 +175,14 @@ class _Walker:
                 flags = _U16.unpack_from(page, _HDR - 6)[0]
                 if flags & _P_BRANCH:
                     children += self._branch_children(page)
-                    tree.append(pgno)
+                    inner.append(pgno)
                 elif flags & _P_LEAF and not flags & _P_LEAF2:
                     leaves.append((pgno, page))
                 else:
                     raise _Unreadable(f"page {pgno} is neither branch nor leaf (0x{flags:x})")
             for pgno, page in leaves:
                 if self._leaf_values(pgno, page, offsets, lengths):
-                    tree.append(pgno)  # pointers only: no record's advice reads it
+                    pointer_leaves.append(pgno)  # no record's advice reads it
             if not children:
                 break
             level = children
@@ -188,7 +192,13 @@ class _Walker:
             raise _Unreadable(f"{int((offsets < 0).sum())} of {num_samples} ids not found")
         if int((offsets + lengths).max()) > self.size:
             raise _Unreadable("a value lies past the end of the file")
-        return ValueIndex(offsets, lengths, np.unique(np.array(tree, np.int64)), self.psize)
+        return ValueIndex(
+            offsets,
+            lengths,
+            np.unique(np.array(inner, np.int64)),
+            np.unique(np.array(pointer_leaves, np.int64)),
+            self.psize,
+        )
 
     def _committed_main_root(self) -> int:
         best: tuple[int, int] | None = None

@@ -56,22 +56,22 @@ def test_value_index_points_at_every_record(store_path: Path) -> None:
 
 
 def test_value_index_keeps_the_pages_every_lookup_reads(store_path: Path) -> None:
-    """The meta pages, then the branch and leaf pages of the samples tree, each once."""
+    """The meta pages, the branch pages and the leaves of pointers of the samples tree."""
     with SampleStore(store_path) as store:
         index = store.value_index
         assert index is not None
-        tree, psize = index.tree_pages, index.page_bytes
-        assert list(tree[:2]) == [0, 1] and (np.diff(tree) > 0).all()
-        leaves = 0
+        psize = index.page_bytes
+        assert list(index.inner_pages[:2]) == [0, 1]
+        kinds = {}
         with open(store_path / "data.mdb", "rb") as f:
-            for pgno in tree[2:].tolist():
+            for pgno in [*index.inner_pages[2:].tolist(), *index.leaf_pages.tolist()]:
                 page = os.pread(f.fileno(), psize, pgno * psize)
                 assert int.from_bytes(page[:8], "little") == pgno
-                flags = int.from_bytes(page[10:12], "little")
-                assert flags & 0x03, f"page {pgno} is a branch or leaf page"
-                leaves += bool(flags & 0x02)
+                kinds[pgno] = int.from_bytes(page[10:12], "little") & 0x03
+        assert all(kinds[p] == 0x01 for p in index.inner_pages[2:].tolist())  # branches
         # Its values have pages of their own: the leaves hold pointers, and 200 need several.
-        assert leaves > 1 and len(tree) < N
+        assert all(kinds[p] == 0x02 for p in index.leaf_pages.tolist())
+        assert 1 < len(index.leaf_pages) < N // 20
 
 
 def test_leaves_that_hold_records_are_not_tree_pages(tmp_path: Path) -> None:
@@ -86,8 +86,20 @@ def test_leaves_that_hold_records_are_not_tree_pages(tmp_path: Path) -> None:
         psize = index.page_bytes
         holding = set((index.offsets // psize).tolist())  # the leaves the records lie in
         assert len(holding) > 10
-        assert not holding & set(index.tree_pages.tolist())
-        assert 2 < len(index.tree_pages) < 2 + len(holding) // 10  # meta, root, a few branches
+        assert not len(index.leaf_pages)
+        assert not holding & set(index.inner_pages.tolist())
+        assert 2 < len(index.inner_pages) < 2 + len(holding) // 10  # meta, root, a few branches
+
+
+def test_leaves_of_pointers_are_asked_for_only_within_their_share(tmp_path: Path) -> None:
+    """A store of 10 M large records has ~250 MB of them: past the read-ahead's quarter of
+    its window they are left to the readers; the meta and branch pages never are."""
+    with SampleStore(make_store(tmp_path / "s.db", 1000)) as store:
+        index = store.value_index
+        assert index is not None and len(index.leaf_pages) > 2
+        leaves = len(index.leaf_pages) * index.page_bytes
+        assert store.advise_tree(leaves - 1) == len(index.inner_pages)
+        assert store.advise_tree(leaves) == len(index.inner_pages) + len(index.leaf_pages)
 
 
 def test_a_new_pass_asks_for_the_tree_pages_before_its_records(tmp_path: Path) -> None:
@@ -104,16 +116,17 @@ def test_a_new_pass_asks_for_the_tree_pages_before_its_records(tmp_path: Path) -
         ra = ReadAhead(store, lambda ids: np.ones(len(ids), bool), 1 << 30)
         try:
             evict(path)  # but the pages this process maps (the meta pages, the root)
-            cold = index.tree_pages[~file_cached(path)[index.tree_pages]]
+            tree = np.union1d(index.inner_pages, index.leaf_pages)
+            cold = tree[~file_cached(path)[tree]]
             if len(cold) < 3:
                 pytest.skip("the page cache cannot be emptied here")
             ra.follow(("j", 0, 0, "train"), plan, 0)
             wait_until(lambda: file_cached(path)[cold].all(), what="the tree's pages")
-            assert ra.stats()["tree_pages"] == len(index.tree_pages)
+            assert ra.stats()["tree_pages"] == len(tree)
             assert ra.stats()["advised_records"] == 0
             ra.follow(("j", 0, 0, "train"), plan, 2)  # the same pass moving asks nothing again
             ra.follow(("j", 0, 1, "train"), plan, 0)  # the next pass asks again
-            wait_until(lambda: ra.stats()["tree_pages"] == 2 * len(index.tree_pages), what="2")
+            wait_until(lambda: ra.stats()["tree_pages"] == 2 * len(tree), what="2")
         finally:
             ra.close()
 
