@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import xxhash
@@ -54,3 +54,10 @@ def xxh3_64(data: bytes | memoryview) -> int:
     if _XXH3 is None or len(data) <= _LETS_GO_ABOVE:
         return xxhash.xxh3_64_intdigest(data)
     return int(_XXH3(address_of(memoryview(data)), len(data)))
+
+
+def xxh3_64_all(data: Sequence[bytes | memoryview]) -> np.ndarray:
+    """``xxh3_64`` of each buffer, as uint64: one C call per buffer where all are small."""
+    if all(len(d) <= _LETS_GO_ABOVE for d in data):
+        return np.fromiter(map(xxhash.xxh3_64_intdigest, data), np.uint64, len(data))
+    return np.fromiter(map(xxh3_64, data), np.uint64, len(data))

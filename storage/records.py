@@ -24,10 +24,11 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from loaderd.storage.checksum import xxh3_64
+from loaderd.storage.checksum import xxh3_64, xxh3_64_all
 from loaderd.storage.errors import CorruptRecordError
 
 RECORD_HEADER = struct.Struct("<QII")
+_HEADERS = np.dtype([("digest", "<u8"), ("length", "<u4"), ("version", "<u4")])
 RECORD_VERSION = 1
 _ALIGN = 8
 _VARLEN = struct.Struct("<I")
@@ -373,3 +374,34 @@ def verify(record: bytes | memoryview, sample_id: int, where: str) -> memoryview
     if xxh3_64(body) != digest:
         raise CorruptRecordError(sample_id, where)
     return body
+
+
+def verify_all(
+    records: Sequence[bytes | memoryview], ids: Sequence[int] | np.ndarray, where: str
+) -> None:
+    """``verify`` of a batch: the headers parsed and compared as arrays, one hash call each.
+
+    A record of a few KiB cost about 1.3 us to verify alone, most of it Python around a
+    0.1 us hash; here the headers are one array and the hashes one ``map``.
+
+    Raises:
+        CorruptRecordError: naming the first record (in batch order) that fails.
+    """
+    n = len(records)
+    views = [memoryview(r) for r in records]
+    head = RECORD_HEADER.size
+    joined = b"".join([v[:head] for v in views])
+    if len(joined) != n * head:  # a record shorter than its header: ``verify`` names it
+        for v, sid in zip(views, ids, strict=True):
+            verify(v, int(sid), where)
+    headers = np.frombuffer(joined, _HEADERS)
+    bodies = [v[head:] for v in views]
+    lengths = np.fromiter(map(len, bodies), np.int64, n)
+    good = (headers["version"] == RECORD_VERSION) & (headers["length"] == lengths)
+    if good.all():
+        good = headers["digest"] == xxh3_64_all(bodies)
+        if good.all():
+            return
+    bad = int(np.argmin(good))
+    verify(views[bad], int(ids[bad]), where)  # raises, with the reason
+    raise AssertionError("verify passed a record verify_all failed")  # pragma: no cover

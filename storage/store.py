@@ -33,7 +33,7 @@ from loaderd.storage.errors import NotAStoreError
 from loaderd.storage.map_slices import MapSlices
 from loaderd.storage.pinning import PageLocks
 from loaderd.storage.prefault import MADV_POPULATE_READ, Prefault
-from loaderd.storage.records import Schema, verify
+from loaderd.storage.records import Schema, verify_all
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.syscalls import address_of, madvise, mapped_at, mlock_onfault
 from loaderd.storage.value_index import ValueIndex, block_ranges, build_value_index
@@ -168,8 +168,7 @@ class SampleStore:
         sliced = None if slices is None else slices.slices(np.asarray(ids, np.int64))
         if sliced is not None:  # no call into LMDB (``map_slices.py``)
             if verified:
-                for sid, view in zip(ids, sliced, strict=True):
-                    verify(view, int(sid), where)
+                verify_all(sliced, ids, where)
             self._count(sliced)
             yield sliced
             return
@@ -180,11 +179,11 @@ class SampleStore:
                 rec = get(int(sid).to_bytes(8, "big")) if sid >= 0 else None
                 if rec is None:
                     raise KeyError(f"sample {int(sid)} is not in store {self.path}")
-                if verified:
-                    verify(rec, int(sid), where)
                 if slices is not None:
                     slices.confirm(int(sid), rec)
                 out.append(rec)
+            if verified:
+                verify_all(out, ids, where)
             self._count(out)
             yield out
 

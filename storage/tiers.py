@@ -33,7 +33,7 @@ from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache, Held
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.policies import ARENA, DRAM, Move, Policy, make_policy
-from loaderd.storage.records import verify
+from loaderd.storage.records import verify_all
 from loaderd.storage.store import PIN_MIN_BYTES, SampleStore
 
 logger = logging.getLogger(__name__)
@@ -313,14 +313,12 @@ class TierStack:
 
     def _verify(self, missing: list[int], got: dict[int, Record]) -> None:
         """Check the checksums of records read from the store (once per tier crossing)."""
-        where = f"store {self.store.path}"
-        for sid in missing:
-            try:
-                verify(got[sid], sid, where)
-            except CorruptRecordError:
-                with self._lock:  # it was admitted in the bookkeeping: take that back
-                    self.policy.forget(sid)
-                raise
+        try:
+            verify_all([got[sid] for sid in missing], missing, f"store {self.store.path}")
+        except CorruptRecordError as e:
+            with self._lock:  # it was admitted in the bookkeeping: take that back
+                self.policy.forget(e.sample_id)
+            raise
 
     def cached(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` a tier holds now (a read-ahead skips them): bool per id."""

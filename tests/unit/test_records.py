@@ -21,6 +21,7 @@ from loaderd.storage.records import (
     Schema,
     seal,
     verify,
+    verify_all,
 )
 
 FULL = Schema(
@@ -274,6 +275,37 @@ def test_any_flipped_bit_is_caught_and_names_the_sample(bit: int, sample_id: int
 def test_truncated_record(cut: int) -> None:
     with pytest.raises(CorruptRecordError, match="sample 17: "):
         RecordCodec(SMALL).decode(SMALL_RECORD[:cut], 17, "t")
+
+
+def _damaged(how: str) -> bytes:
+    rec = bytearray(SMALL_RECORD)
+    if how == "bit":
+        rec[-1] ^= 0x10
+    elif how == "version":
+        rec[12] += 1
+    elif how == "long":
+        rec += b"\0"
+    else:
+        return SMALL_RECORD[: int(how)]
+    return bytes(rec)
+
+
+@pytest.mark.parametrize("how", ["bit", "version", "long", "0", "15", "16"])
+@pytest.mark.parametrize("at", [0, 3, 6])
+def test_a_batch_names_the_first_damaged_record_as_one_by_one_would(how: str, at: int) -> None:
+    big = seal(bytes(range(256)) * 300)  # hashed by the other path (> 64 KiB)
+    records: list[bytes | memoryview] = [SMALL_RECORD] * 8
+    records[5] = memoryview(big)
+    records[at] = _damaged(how)
+    records[at + 1] = _damaged("bit")
+    ids = np.arange(100, 108)
+    with pytest.raises(CorruptRecordError) as one:
+        verify(records[at], 100 + at, "store /x")
+    with pytest.raises(CorruptRecordError) as batch:
+        verify_all(records, ids, "store /x")
+    assert str(batch.value) == str(one.value) and batch.value.sample_id == 100 + at
+    verify_all([SMALL_RECORD, memoryview(big), SMALL_RECORD], [1, 2, 3], "store /x")
+    verify_all([], [], "store /x")
 
 
 def test_extended_record_is_refused() -> None:
