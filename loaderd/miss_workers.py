@@ -174,6 +174,7 @@ class MissWorkers:
         self._failed_starts = 0
         self._closed = False
         self.batches = 0  # assembled by a worker
+        self.sliced = 0  # of them, sent with their records' offsets (no LMDB lookup there)
         self.fallbacks = 0  # given to a worker, assembled by the daemon after all
         self.started = 0  # worker processes started
         self.lost = 0  # worker processes that died or broke their socket
@@ -241,9 +242,13 @@ class MissWorkers:
             self._give(worker)
             return None
         # A cold batch's reads go out together (those of records a tier holds need none).
-        self._tiers.store.advise_known(missing.tolist())
+        store = self._tiers.store
+        store.advise_known(missing.tolist())
+        spans = store.confirmed_spans(ids)  # the worker slices these without LMDB's help
         try:
-            worker.conn.send((blank.ring.name, blank.slot, ids, weights, tuple(self._rings())))
+            worker.conn.send(
+                (blank.ring.name, blank.slot, ids, weights, tuple(self._rings()), spans)
+            )
         except (EOFError, OSError):
             blank.release()
             self._lose(worker)
@@ -253,6 +258,7 @@ class MissWorkers:
             blank.release()
             self._give(worker)
             raise
+        self.sliced += spans is not None
         return Flight(worker, blank, ids)
 
     def finish(self, flight: Flight) -> Batch | None:
@@ -397,6 +403,7 @@ class MissWorkers:
             "started": self.started,
             "lost": self.lost,
             "batches": self.batches,
+            "sliced": self.sliced,
             "fallbacks": self.fallbacks,
         }
 
@@ -422,14 +429,21 @@ def _fill(
     slot: int,
     ids: np.ndarray,
     weights: np.ndarray,
+    spans: tuple[np.ndarray, np.ndarray] | None,
 ) -> tuple[Any, ...]:
-    """Read, verify and copy one batch into a slot; ("ok", sizes, offsets, lengths)."""
-    with store.views(ids) as records:
+    """Read, verify and copy one batch into a slot; ("ok", sizes, offsets, lengths).
+
+    ``spans``: where LMDB returned each record before (``SampleStore.confirmed_spans``);
+    None: each is read through LMDB, and its offset found from where it lies in the map.
+    """
+    with store.views(ids) if spans is None else store.views_at(ids, *spans) as records:
         sizes, parts = writer.measure(records)
         if layout_bytes(sizes) > ring.slot_bytes:
             return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
         frames = [ring.view(slot, off, n) for off, n in slot_layout(sizes)]
         writer.fill(ids, weights, records, parts, frames)
+        if spans is not None:
+            return ("ok", sizes, *spans)
         offsets = store.file_offsets(records)
         if offsets is None:
             offsets = np.full(len(ids), -1, np.int64)  # the daemon then reads them itself
@@ -449,7 +463,7 @@ def serve(conn: Connection, store_path: str) -> None:
     rings: dict[str, ShmRing] = {}
     while True:
         try:
-            ring_name, slot, ids, weights, live = conn.recv()
+            ring_name, slot, ids, weights, live, spans = conn.recv()
         except (EOFError, OSError):
             break
         for name in [n for n in rings if n not in live]:
@@ -458,7 +472,7 @@ def serve(conn: Connection, store_path: str) -> None:
             ring = rings.get(ring_name)
             if ring is None:
                 ring = rings[ring_name] = ShmRing.attach(ring_name)
-            reply = _fill(store, writer, ring, slot, ids, weights)
+            reply = _fill(store, writer, ring, slot, ids, weights, spans)
         except Exception as e:
             reply = ("error", f"{type(e).__name__}: {e}")
         conn.send(reply)

@@ -28,6 +28,11 @@ from loaderd.storage.value_index import ValueIndex
 logger = logging.getLogger(__name__)
 
 
+def map_view(base: int, size: int) -> memoryview:
+    """A read-only byte view of a map of the store (valid while the store is open)."""
+    return memoryview((ctypes.c_char * size).from_address(base)).cast("B").toreadonly()
+
+
 class MapSlices:
     """Slices of a store's map at confirmed value-index offsets.
 
@@ -38,10 +43,7 @@ class MapSlices:
     """
 
     def __init__(self, base: int, size: int, index: ValueIndex) -> None:
-        # A view of memory the store maps read-only; valid while the store is open, as are
-        # LMDB's own views.
-        whole = (ctypes.c_char * size).from_address(base)
-        self._map = memoryview(whole).cast("B").toreadonly()
+        self._map = map_view(base, size)
         self._base = base
         self._offsets = index.offsets
         self._ends = index.offsets + index.lengths.astype(np.int64)
@@ -61,6 +63,18 @@ class MapSlices:
             whole[a:b]
             for a, b in zip(self._offsets[ids].tolist(), self._ends[ids].tolist(), strict=True)
         ]
+
+    def spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(file offsets, lengths) of the records; None unless every one is confirmed.
+
+        For another process's map of the same file (``SampleStore.views_at``).
+        """
+        if not self.enabled or not len(ids):
+            return None
+        if ids.min() < 0 or ids.max() >= len(self._confirmed) or not self._confirmed[ids].all():
+            return None
+        starts = self._offsets[ids]
+        return starts, self._ends[ids] - starts
 
     def confirm(self, sample_id: int, view: memoryview) -> None:
         """Compare LMDB's view of a record with the index: equal, it may be sliced from now on."""

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from loaderd.storage.errors import NotAStoreError
-from loaderd.storage.map_slices import MapSlices
+from loaderd.storage.map_slices import MapSlices, map_view
 from loaderd.storage.pinning import PageLocks
 from loaderd.storage.prefault import MADV_POPULATE_READ, Prefault
 from loaderd.storage.records import Schema, verify_all
@@ -186,6 +186,43 @@ class SampleStore:
                 verify_all(out, ids, where)
             self._count(out)
             yield out
+
+    @contextmanager
+    def views_at(
+        self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+    ) -> Iterator[list[memoryview]]:
+        """``views``, of records at the file offsets where LMDB returned them before.
+
+        A miss worker's map of data.mdb is its own: the daemon passes the offsets of records
+        LMDB has returned once (``confirmed_spans``), and the worker slices them from its
+        map as the daemon would, without a call into LMDB (2.5 us a 3 KB record, against
+        0.3 for a slice). Each record's checksum is verified. Where this process's map is
+        not found, or a range lies past the file, the records are read through LMDB.
+        """
+        whole = self._whole_map
+        ends = offsets + lengths
+        if whole is None or not len(ids) or offsets.min() < 0 or ends.max() > len(whole):
+            with self.views(ids) as records:
+                yield records
+            return
+        records = [whole[a:b] for a, b in zip(offsets.tolist(), ends.tolist(), strict=True)]
+        verify_all(records, ids, f"store {self.path}")
+        self._count(records)
+        yield records
+
+    def confirmed_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(file offsets, lengths) of records LMDB has returned once; None unless all have.
+
+        What a miss worker slices with ``views_at``.
+        """
+        slices = self._slices
+        return None if slices is None else slices.spans(np.asarray(ids, np.int64))
+
+    @cached_property
+    def _whole_map(self) -> memoryview | None:
+        """This process's map of data.mdb up to the file's end (the store is not written)."""
+        base = self._map_start
+        return None if base is None else map_view(base, self.file_bytes)
 
     def file_offsets(self, views: Sequence[memoryview]) -> np.ndarray | None:
         """Where in data.mdb each view (from ``views``) starts; None where that is unknown.

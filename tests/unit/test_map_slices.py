@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.store import SampleStore
 from tests.unit.test_readahead import N, make_store
 
@@ -83,3 +84,34 @@ def test_offsets_another_process_saw_confirm_records_or_turn_slicing_off(
         assert not slices.enabled and not store.sliceable
         with store.views(ids) as views:
             assert [bytes(v) for v in views] == [want[i] for i in ids]
+
+
+def test_another_process_slices_records_at_the_offsets_lmdb_confirmed(store_path: Path) -> None:
+    """What a miss worker does with the offsets the daemon sends (``views_at``)."""
+    want = stored(store_path)
+    ids = np.arange(40, 60)
+    with SampleStore(store_path) as daemon:
+        assert daemon.value_index is not None
+        assert daemon.confirmed_spans(ids) is None  # LMDB has not returned them yet
+        with daemon.views(ids[:-1]):
+            pass
+        assert daemon.confirmed_spans(ids) is None  # nor the last one
+        with daemon.views(ids):
+            pass
+        spans = daemon.confirmed_spans(ids[::-1])
+    assert spans is not None
+    offsets, lengths = spans
+    # The worker: a map of its own (LMDB opens a path once per process, so one after the other).
+    with SampleStore(store_path) as worker:
+        with worker.views_at(ids[::-1], offsets, lengths) as views:
+            assert [bytes(v) for v in views] == [want[i] for i in ids[::-1]]
+        assert worker.reads == len(ids)
+        shifted = offsets.copy()
+        shifted[2] += 8  # a wrong offset is caught by the checksum, naming the sample
+        wrong = pytest.raises(CorruptRecordError, match=f"sample {ids[::-1][2]}: ")
+        with wrong, worker.views_at(ids[::-1], shifted, lengths):
+            pass
+        past = offsets.copy()
+        past[0] = worker.file_bytes  # outside the file: read through LMDB instead
+        with worker.views_at(ids[::-1], past, lengths) as views:
+            assert [bytes(v) for v in views] == [want[i] for i in ids[::-1]]
