@@ -53,9 +53,7 @@ class MapSlices:
 
     def slices(self, ids: np.ndarray) -> list[memoryview] | None:
         """Each record as a slice of the map; None unless every one is confirmed."""
-        if not self.enabled or not len(ids):
-            return None
-        if ids.min() < 0 or ids.max() >= len(self._confirmed) or not self._confirmed[ids].all():
+        if not self._all_confirmed(ids):
             return None
         whole = self._map
         self.sliced += len(ids)
@@ -69,12 +67,15 @@ class MapSlices:
 
         For another process's map of the same file (``SampleStore.views_at``).
         """
-        if not self.enabled or not len(ids):
-            return None
-        if ids.min() < 0 or ids.max() >= len(self._confirmed) or not self._confirmed[ids].all():
+        if not self._all_confirmed(ids):
             return None
         starts = self._offsets[ids]
         return starts, self._ends[ids] - starts
+
+    def _all_confirmed(self, ids: np.ndarray) -> bool:
+        if not self.enabled or not len(ids) or ids.min() < 0 or ids.max() >= len(self._confirmed):
+            return False
+        return bool(self._confirmed[ids].all())
 
     def confirm(self, sample_id: int, view: memoryview) -> None:
         """Compare LMDB's view of a record with the index: equal, it may be sliced from now on."""

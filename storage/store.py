@@ -163,14 +163,10 @@ class SampleStore:
             KeyError: no such sample.
             CorruptRecordError: the record failed its checksum.
         """
-        where = f"store {self.path}"
         slices = self._slices
         sliced = None if slices is None else slices.slices(np.asarray(ids, np.int64))
         if sliced is not None:  # no call into LMDB (``map_slices.py``)
-            if verified:
-                verify_all(sliced, ids, where)
-            self._count(sliced)
-            yield sliced
+            yield self._checked(sliced, ids, verified)
             return
         with self._env.begin(db=self._samples, buffers=True) as txn:
             get = txn.get
@@ -182,10 +178,7 @@ class SampleStore:
                 if slices is not None:
                     slices.confirm(int(sid), rec)
                 out.append(rec)
-            if verified:
-                verify_all(out, ids, where)
-            self._count(out)
-            yield out
+            yield self._checked(out, ids, verified)
 
     @contextmanager
     def views_at(
@@ -206,9 +199,16 @@ class SampleStore:
                 yield records
             return
         records = [whole[a:b] for a, b in zip(offsets.tolist(), ends.tolist(), strict=True)]
-        verify_all(records, ids, f"store {self.path}")
+        yield self._checked(records, ids, True)
+
+    def _checked(
+        self, records: list[memoryview], ids: Sequence[int] | np.ndarray, verified: bool
+    ) -> list[memoryview]:
+        """The records, their checksums verified (if ``verified``) and counted."""
+        if verified:
+            verify_all(records, ids, f"store {self.path}")
         self._count(records)
-        yield records
+        return records
 
     def confirmed_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(file offsets, lengths) of records LMDB has returned once; None unless all have.
