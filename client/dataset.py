@@ -179,6 +179,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self.device = check_device(device, buffers)
         self.buffers = buffers
         self._hello_pid = -1
+        self._instance: str | None = None  # the daemon's run that last WELCOMEd this process
         self._schema: list[FieldSpec] = []
         self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)  # sent, OK not yet read
         self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)  # the same, when workers fetch
@@ -289,6 +290,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                         release = []
                         break
                     msg = self._conn.wait(in_flight.popleft())
+                    if msg.meta.get("instance", self._instance) != self._instance:
+                        self._hello_again()
                     if msg.type == MsgType.END:
                         ended = True
                         continue
@@ -618,6 +621,19 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     raise
         self.delivery.reconnects += 1
 
+    def _hello_again(self) -> None:
+        """HELLO to a daemon that restarted while requests of this pass kept reaching it.
+
+        ZeroMQ reconnects by itself and delivers the requests still queued, so a restarted
+        daemon (its state journaled) can go on serving a pass without this process having
+        said HELLO to it: it would know neither the process (to give back its batches if it
+        dies) nor that it takes shared memory, and every later batch would come over the
+        socket. The reply in hand stays valid; the next ones follow the new WELCOME.
+        """
+        logger.info("loaderd at %s restarted; saying HELLO to it", self.address)
+        self._hello_pid = -1
+        self._hello()
+
     def _rehello(self) -> None:
         """A fresh socket and HELLO, then every unconfirmed feedback sent again."""
         self._conn.reset()  # replies to the old socket are lost: their requests go again
@@ -663,6 +679,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             meta["shm"] = False
             reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
         self._schema = [FieldSpec.from_json(f) for f in reply.meta["schema"]]
+        self._instance = reply.meta.get("instance")
         self._welcomed = True
         self.num_samples = int(reply.meta["num_samples"])
         self._hello_pid = os.getpid()

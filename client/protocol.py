@@ -47,7 +47,7 @@ class MsgType(IntEnum):
     PONG = 2  # {"version", "pid", "uptime_s"}
     HELLO = 3  # {"job", "rank", "world_size", "seed", "batch_size", "options", "version",
     #             "drop_last"?} -> WELCOME
-    WELCOME = 4  # {"schema", "num_samples", "job"}
+    WELCOME = 4  # {"schema", "num_samples", "job", "instance"?, "shm"?}
     OPEN_PASS = 5  # {"job", "rank", "worker", "phase"} -> PASS
     PASS = 6  # {"epoch", "phase", "batches"}
     # GET_BATCH and ACK may carry "release": [index] (shared-memory slots no longer read) and
@@ -55,7 +55,8 @@ class MsgType(IntEnum):
     # slots to give back); an ACK "end": true (the pass is over for this consumer, its
     # feedback recorded). A reply to a request with "acks" goes once they are written.
     GET_BATCH = 7  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> BATCH | END
-    BATCH = 8  # {"epoch", "phase", "index", "n", "fields"}; payload frames (module doc)
+    # "instance" in WELCOME and BATCH names the daemon's run: a new one means it restarted.
+    BATCH = 8  # {"epoch", "phase", "index", "n", "fields", "instance"?}; payload frames
     END = 9  # {"epoch", "phase"}: this pass has no batch left to hand out
     ACK = 10  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> OK
     FEEDBACK = 11  # {"job", "kind"}; frames: ids int64, losses float32 -> OK

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -98,6 +99,9 @@ class Server:
         self.config = config
         self.job_defaults = config.importance
         self.started = time.monotonic()
+        # Names this run of the daemon in WELCOME and each BATCH: a client whose requests
+        # reached a restarted daemon without a HELLO sees a new name and says HELLO again.
+        self.instance = secrets.token_hex(8)
         self._locks: list[PathLock] = []
         # Locks, private directories and the TCP policy come before the store and the pools
         # open: a daemon that must refuse to start refuses before it allocates anything.
@@ -463,6 +467,7 @@ class Server:
                 "schema": [s.to_json() for s in self.schema],
                 "num_samples": self.store.num_samples,
                 "job": asdict(job.spec),
+                "instance": self.instance,
                 **shm,
             },
         )
@@ -628,6 +633,7 @@ class Server:
                 "phase": phase,
                 "index": index,
                 "n": len(arrays.ids),
+                "instance": self.instance,
             }
             desc, payload, copy = self.shm.payload(identity, key, arrays)
             if desc is not None:

@@ -313,3 +313,31 @@ def test_dram_holds_the_stores_locked_pages_or_copies(
         assert sorted(check_epoch(ds, samples)) == list(range(N))  # hits: the stored bytes
         assert admitted(d.address)["hits"] >= N
         ds.close()
+
+
+def test_a_trainer_takes_shared_memory_again_from_a_restarted_daemon(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """A daemon killed once it has answered every request it got: the trainer's next ones
+    wait in ZeroMQ's queue, which hands them to the new daemon by itself. The trainer must
+    see the restart and say HELLO again, or every later batch comes over the socket."""
+    with Daemon(db=store[0], state_dir=tmp_path / "st") as d:
+        ds = LoaderdDataset(d.address, job="again", batch_size=8, prefetch=2)
+        seen: list[int] = []
+        for i, batch in enumerate(ds):
+            seen += batch["id"].tolist()
+            if i == 2:  # three batches taken, two more asked for ahead
+                wait_until(
+                    lambda: stats(d.address)["jobs"]["again"]["batches_served"] == 5,
+                    what="the batches asked for ahead",
+                )
+                d.kill()
+                d.start()
+        assert sorted(seen) == list(range(N))
+        before = stats(d.address)["shm"]
+        assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        shm = stats(d.address)["shm"]
+        assert shm["consumers"] == 1
+        assert shm["delivered"] - before["delivered"] == N // 8  # the whole next epoch
+        assert shm["socket_fallbacks"] == before["socket_fallbacks"]
+        ds.close()
