@@ -4,11 +4,15 @@ Several requests may be in flight at once (prefetch credits, feedback); replies 
 request id, so ``wait`` returns the one asked for and keeps the others until they are wanted.
 A WAITING note (the daemon parked the request, e.g. at a re-score barrier) is logged once per
 reason and restarts the wait: a parked request is slow, not lost.
+
+A daemon that dies takes the requests it had read with it, and their replies never come.
+ZeroMQ's socket monitor reports the closed connection at once (on ``ipc://``, or a
+``tcp://`` peer whose host is up), so a wait ends there instead of at its timeout, and the
+caller resends to the daemon that comes back: a trainer resumes as soon as it can.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from loaderd.client.address import check_address, unreachable_hint
 from loaderd.client.current_pid import current_pid
@@ -65,7 +70,9 @@ class Connection:
         self._pid = -1
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
-        self._ids = itertools.count(1)
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._last_id = 0  # request ids count up from 1
+        self._lost_upto = 0  # requests up to this id went to a connection that closed
         self._stash: dict[int, Message] = {}
         self._ignored: set[int] = set()
         self._last_waiting = ""
@@ -73,7 +80,8 @@ class Connection:
     def _socket(self) -> zmq.Socket[bytes]:
         if self._pid != current_pid():
             # After fork the parent's context belongs to the parent: never touch it here.
-            self._ctx, self._sock, self._pid = None, None, current_pid()
+            self._ctx, self._sock, self._monitor = None, None, None
+            self._pid = current_pid()
             self._stash.clear()
             self._ignored.clear()
         if self._sock is None:
@@ -91,14 +99,17 @@ class Connection:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
             if self._keys is not None:
                 self._keys.apply(sock)
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(self.address)
             self._sock = sock
         return self._sock
 
     def send(self, type_: MsgType, meta: dict[str, Any], frames: Sequence[Buffer] = ()) -> int:
         """Send a request without waiting; returns its request id."""
-        request_id = next(self._ids)
         sock = self._socket()
+        self._note_closes()  # a connection that closed by now carried none of this request
+        self._last_id += 1
+        request_id = self._last_id
         # Frame by frame: the header and meta are small (copied by zmq either way) and
         # send_multipart re-checks every part on each call. Once the first part is queued
         # the rest of the message goes too (zmq queues a message whole).
@@ -127,11 +138,20 @@ class Connection:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         sock = self._socket()
+        assert self._monitor is not None
+        watch = [(sock, _POLLIN), (self._monitor, _POLLIN)]
         while reply is None:
+            if request_id <= self._lost_upto:
+                self.reset()
+                raise self._unavailable(timeout, closed=True)
             left = deadline - time.monotonic()
-            if left <= 0 or not zmq.zmq_poll([(sock, _POLLIN)], int(left * 1000) + 1):
+            ready = zmq.zmq_poll(watch, int(left * 1000) + 1) if left > 0 else []
+            if not ready:
                 self.reset()
                 raise self._unavailable(timeout)
+            if ready[0][0] is not sock:  # replies that came before a close are read first
+                self._note_closes()
+                continue
             msg = decode(_recv_frames(sock))
             if msg.type == MsgType.WAITING:  # parked, not lost: say why and wait on
                 self._note_waiting(msg)
@@ -174,10 +194,27 @@ class Connection:
         else:
             self._ignored.add(request_id)
 
-    def _unavailable(self, timeout: float) -> DaemonUnavailableError:
+    def _note_closes(self) -> None:
+        """Read the monitor's events: a closed connection lost every request sent so far.
+
+        Some of them may have gone to the new connection after all: they are sent again,
+        and the daemon's replies say which it had (requests are at-least-once on the wire).
+        """
+        monitor = self._monitor
+        assert monitor is not None
+        while int(monitor.get(zmq.EVENTS)) & _POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lost_upto = self._last_id
+
+    def _unavailable(self, timeout: float, closed: bool = False) -> DaemonUnavailableError:
+        hint = unreachable_hint(self.address, self._keys is not None)
+        if closed:
+            return DaemonUnavailableError(
+                f"loaderd at {self.address} closed the connection before it replied ({hint})"
+            )
         return DaemonUnavailableError(
-            f"no reply from loaderd at {self.address} within {timeout:g} s "
-            f"({unreachable_hint(self.address, self._keys is not None)})"
+            f"no reply from loaderd at {self.address} within {timeout:g} s ({hint})"
         )
 
     def _note_waiting(self, msg: Message) -> None:
@@ -196,10 +233,13 @@ class Connection:
     def reset(self) -> None:
         """Drop the socket (replies in flight are lost); the next request opens a new one."""
         if self._sock is not None and self._pid == current_pid():
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
             self._sock.close(linger=0)
             assert self._ctx is not None
             self._ctx.term()
-        self._sock = self._ctx = None
+        self._sock = self._ctx = self._monitor = None
         self._stash.clear()
         self._ignored.clear()
 
