@@ -238,12 +238,16 @@ class MissWorkers:
         worker = self._take()
         if worker is None:
             return None
-        blank = allocate.lend()
+        # A batch known to be larger than the job's slots gets a larger ring's, or none:
+        # a worker would read and verify it only to answer that it does not fit.
+        store = self._tiers.store
+        known = store.known_bytes(ids)
+        least = 0 if known is None else self._writer.frame_bytes(len(ids), known)
+        blank = allocate.lend(least)
         if blank is None:
             self._give(worker)
             return None
         # A cold batch's reads go out together (those of records a tier holds need none).
-        store = self._tiers.store
         store.advise_known(missing.tolist())
         spans = store.confirmed_spans(ids)  # the worker slices these without LMDB's help
         try:

@@ -37,7 +37,7 @@ from loaderd.client.protocol import BatchArrays, Column, VarColumn
 from loaderd.client.shm import slot_layout
 from loaderd.fair_share import RoundRobin
 from loaderd.gate import Gate
-from loaderd.storage.records import RecordCodec, Schema
+from loaderd.storage.records import RECORD_HEADER, RecordCodec, Schema
 from loaderd.storage.tiers import Record, TierStack
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,17 @@ class BatchWriter:
             else:
                 sizes += [8 * (n + 1), var.get(f.name, 0)]
         return sizes
+
+    def frame_bytes(self, n: int, record_bytes: int) -> int:
+        """Bytes of an n-sample batch's frames, from its records' total length alone.
+
+        A record is its header, the fixed part and a length per variable field, then the
+        variable bytes (``storage.records``), so their total length tells the variable bytes
+        of the batch without reading a record.
+        """
+        layout = self.layout
+        per_record = RECORD_HEADER.size + layout.fixed_bytes + 4 * len(layout.variable)
+        return sum(self.frame_sizes(n)) + record_bytes - n * per_record
 
     def measure(self, records: Sequence[Record]) -> tuple[list[int], list[list[memoryview]]]:
         """The frame sizes of a batch of these records, and each one's variable parts."""

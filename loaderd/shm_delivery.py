@@ -143,9 +143,12 @@ class RingAllocator:
         got = self.delivery._acquire(self.ring, layout_bytes(sizes))
         return None if got is None else self.delivery._place(*got, sizes)
 
-    def lend(self) -> BlankSlot | None:
-        """A free slot as large as the job's, laid out once its batch is measured; None: none."""
-        got = self.delivery._acquire(self.ring, self.ring.slot_bytes)
+    def lend(self, least: int = 0) -> BlankSlot | None:
+        """A free slot of the job's size or ``least`` bytes, laid out once its batch is measured.
+
+        None: none free (not counted: the daemon's own assembly then asks again).
+        """
+        got = self.delivery._acquire(self.ring, max(self.ring.slot_bytes, least), count=False)
         return None if got is None else BlankSlot(self.delivery, *got)
 
 
@@ -183,7 +186,8 @@ class ShmDelivery:
         self.socket_jobs: dict[str, str] = {}  # job -> why it goes over the socket
         self.delivered = 0  # batches sent as descriptors
         self.socket_fallbacks = 0  # batches for shm consumers that went over the socket
-        self.ring_full = 0  # assemblies that found no free slot
+        self.ring_full = 0  # assemblies that found every slot large enough lent
+        self.too_big = 0  # assemblies of a batch larger than any ring's slots
         self.reclaimed = 0  # slots taken back from consumers that went away
         self.removed = 0  # rings removed once no consumer used them
         self._idle_since: dict[str, float] = {}  # ring name -> when it was last seen unused
@@ -301,18 +305,22 @@ class ShmDelivery:
             return None
         return RingAllocator(self, ring)
 
-    def _acquire(self, own: LentRing, need: int) -> tuple[LentRing, int] | None:
+    def _acquire(self, own: LentRing, need: int, count: bool = True) -> tuple[LentRing, int] | None:
         """A free slot of at least ``need`` bytes: the job's own ring's, else a borrowed one.
 
         Borrowed from the ring with the smallest such slots. ``self.rings`` is read as a
         snapshot: prefetch workers call this while the server loop adds and removes rings.
+        ``count``: a failure is counted, as a full ring or as a batch too big for any.
         """
         rings = [r for r in list(self.rings) if r.slot_bytes >= need]
         for ring in sorted(rings, key=lambda r: (r is not own, r.slot_bytes)):
             slot = ring.acquire(_PREFETCH)  # None when every slot is lent, or it is retired
             if slot is not None:
                 return ring, slot
-        self.ring_full += 1
+        if count and rings:
+            self.ring_full += 1
+        elif count:
+            self.too_big += 1
         return None
 
     def _place(self, ring: LentRing, slot: int, sizes: Sequence[int]) -> Placed:
@@ -456,6 +464,7 @@ class ShmDelivery:
             "delivered": self.delivered,
             "socket_fallbacks": self.socket_fallbacks,
             "ring_full": self.ring_full,
+            "too_big": self.too_big,
             "reclaimed": self.reclaimed,
             "rings_removed": self.removed,
             "max_bytes": self.config.max_bytes,

@@ -210,6 +210,18 @@ class SampleStore:
         self._count(records)
         return records
 
+    def known_bytes(self, ids: np.ndarray) -> int | None:
+        """Total record length of these samples, where it is known without a read; else None.
+
+        Known from the value index once it is built (never built here), or from where LMDB
+        returned each record before.
+        """
+        index: ValueIndex | None = self.__dict__.get("value_index")
+        if index is not None:
+            return index.nbytes(ids)
+        spans = self.confirmed_spans(ids)
+        return None if spans is None else int(spans[1].sum())
+
     def confirmed_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(file offsets, lengths) of records LMDB has returned once; None unless all have.
 

@@ -219,3 +219,29 @@ def test_hits_stay_with_the_daemon(
         inline = after["daemon"]["assembled_inline"] - before["daemon"]["assembled_inline"]
         assert inline == 2  # 64 and 32 records
         ds.close()
+
+
+def test_a_batch_larger_than_every_slot_is_not_read_by_a_worker_only_to_be_read_again(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    # Slots of 64 KiB, batches of ~200 KB: every batch goes over the socket. Once the value
+    # index knows the records' lengths, the daemon keeps such a batch instead of sending it
+    # to a worker that would read and verify it only to answer that it does not fit.
+    extra = ["--dram-bytes", "1MiB", "--shm-slot-bytes", "64KiB"]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="big", batch_size=10)
+        ds.connect()
+        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        wait_until(lambda: stats(d.address)["readahead"]["indexed"], what="the value index")
+        before = stats(d.address)
+        for _ in range(2):
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        s = stats(d.address)
+        shm = s["shm"]
+        assert shm["too_big"] > 0 and shm["ring_full"] == 0, "the ring was never full"
+        assert shm["socket_fallbacks"] == shm["too_big"] and shm["delivered"] == 0
+        workers = s["miss_workers"]
+        assert workers["fallbacks"] == before["miss_workers"]["fallbacks"]
+        assert workers["batches"] == before["miss_workers"]["batches"]
+        ds.close()

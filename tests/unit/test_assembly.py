@@ -8,7 +8,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from loaderd.prefetch import Assembler
+from loaderd.prefetch import Assembler, BatchWriter
 from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import SampleStore, sample_key
@@ -103,3 +103,31 @@ def test_every_finished_batch_is_announced_to_a_loop_that_waits_on_the_pipe(
             assert sorted(got) == sorted(keys)
         finally:
             prefetcher.close()
+
+
+def test_a_batchs_frame_bytes_follow_from_its_records_total_length() -> None:
+    schema = Schema(
+        (
+            Field("image", "uint8", (5,)),  # padded to 8 bytes in a record
+            Field("label", "int64"),
+            Field("tag", "binary"),
+            Field("text", "string"),
+        )
+    )
+    codec = RecordCodec(schema)
+    writer = BatchWriter(schema)
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 64):
+        records = [
+            codec.encode(
+                {
+                    "image": rng.integers(0, 256, 5, dtype=np.uint8),
+                    "label": i,
+                    "tag": rng.bytes(int(rng.integers(0, 3000))),
+                    "text": "x" * int(rng.integers(0, 40)),
+                }
+            )
+            for i in range(n)
+        ]
+        sizes, _ = writer.measure(records)
+        assert writer.frame_bytes(n, sum(map(len, records))) == sum(sizes)
