@@ -141,15 +141,16 @@ class Connection:
         assert self._monitor is not None
         watch = [(sock, _POLLIN), (self._monitor, _POLLIN)]
         while reply is None:
-            if request_id <= self._lost_upto:
-                self.reset()
-                raise self._unavailable(timeout, closed=True)
+            # Replies that came before a close are read first; after it, none will come.
+            lost = request_id <= self._lost_upto
             left = deadline - time.monotonic()
-            ready = zmq.zmq_poll(watch, int(left * 1000) + 1) if left > 0 else []
-            if not ready:
-                self.reset()
-                raise self._unavailable(timeout)
-            if ready[0][0] is not sock:  # replies that came before a close are read first
+            ready = (
+                zmq.zmq_poll(watch, 0 if lost else int(left * 1000) + 1) if lost or left > 0 else []
+            )
+            if not ready or ready[0][0] is not sock:
+                if lost or not ready:
+                    self.reset()
+                    raise self._unavailable(timeout, closed=lost)
                 self._note_closes()
                 continue
             msg = decode(_recv_frames(sock))

@@ -559,6 +559,9 @@ class Server:
         end = Message(MsgType.END, msg.request_id, {"epoch": epoch, "phase": phase})
         if state is None:
             return end  # a request for a pass that is over
+        # A pass restored after a restart is resumed by the requests ZeroMQ queued for the new
+        # daemon, with no OPEN_PASS: its tiers are placed here (once; a no-op after that).
+        self.placement.on_pass(job, rank, state)
         acks = check_int_list("acks", m["acks"], _MAX_ACKS)
         job.ack(state, acks)
         self.outstanding.acked(job.spec.name, rank, epoch, phase, acks)

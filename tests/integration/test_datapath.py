@@ -341,3 +341,23 @@ def test_a_trainer_takes_shared_memory_again_from_a_restarted_daemon(
         assert shm["delivered"] - before["delivered"] == N // 8  # the whole next epoch
         assert shm["socket_fallbacks"] == before["socket_fallbacks"]
         ds.close()
+
+
+def test_a_restarted_daemon_places_the_tiers_for_the_pass_it_resumes(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The tiers are placed when a training pass opens. A daemon restarted under queued
+    requests resumes the pass without an OPEN_PASS, and must place them all the same."""
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "1MiB"]) as d:
+        ds = LoaderdDataset(d.address, job="placed", batch_size=8, prefetch=2)
+        for i, _ in enumerate(ds):
+            if i == 2:  # three batches taken, two more asked for ahead
+                wait_until(
+                    lambda: stats(d.address)["jobs"]["placed"]["batches_served"] == 5,
+                    what="the batches asked for ahead",
+                )
+                d.kill()
+                d.start()
+        wait_until(lambda: stats(d.address)["placement"]["job"] == "placed", what="a placement")
+        assert stats(d.address)["placement"]["epoch"] == 0
+        ds.close()
