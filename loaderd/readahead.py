@@ -110,6 +110,7 @@ class ReadAhead:
         self.peak_bytes = 0
         self.busy = False
         self._warned = False
+        self._failed_kinds: set[tuple[str, str]] = set()  # logged with a traceback once
         self.indexed = False  # byte ranges known (posix_fadvise), else records are touched
         self.prefaulting = False  # advised pages are mapped ahead (MADV_POPULATE_READ)
         self._thread: threading.Thread | None = None
@@ -260,7 +261,7 @@ class ReadAhead:
             if mapping is not None:
                 self._map(*mapping)
                 continue
-            done, calls = _attempt(
+            done, calls = self._attempt(
                 "read-ahead", key, partial(self.store.advise, blocks=blocks), todo
             )
             with self._cond:
@@ -287,10 +288,34 @@ class ReadAhead:
 
     def _map(self, key: StreamKey, ids: np.ndarray) -> None:
         """Map an advised batch's pages into the daemon (``SampleStore.prefault``)."""
-        records, calls = _attempt("prefault", key, self.store.prefault, ids)
+        records, calls = self._attempt("prefault", key, self.store.prefault, ids)
         with self._cond:
             self.prefaulted_records += records
             self.prefault_calls += calls
+
+    def _attempt(
+        self,
+        what: str,
+        key: StreamKey,
+        call: Callable[[np.ndarray], tuple[int, int]],
+        ids: np.ndarray,
+    ) -> tuple[int, int]:
+        """``call(ids)``; a failure counts as nothing done: serving goes on.
+
+        Each kind of failure is logged once with its traceback, later ones at debug level: a
+        damaged store fails every batch alike, hundreds of times a second, and serving
+        reports each batch's error itself.
+        """
+        try:
+            return call(ids)
+        except Exception as e:
+            kind = (what, type(e).__name__)
+            if kind in self._failed_kinds:
+                logger.debug("%s of pass %s failed again: %s", what, key, e)
+            else:
+                self._failed_kinds.add(kind)
+                logger.exception("%s of pass %s failed; going on without it", what, key)
+            return 0, 0
 
     # --- the rest -----------------------------------------------------------------------------
 
@@ -328,14 +353,3 @@ class ReadAhead:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
-
-
-def _attempt(
-    what: str, key: StreamKey, call: Callable[[np.ndarray], tuple[int, int]], ids: np.ndarray
-) -> tuple[int, int]:
-    """``call(ids)``; a failure is logged and counts as nothing done: serving goes on."""
-    try:
-        return call(ids)
-    except Exception:
-        logger.exception("%s of pass %s failed; going on without it", what, key)
-        return 0, 0

@@ -29,7 +29,7 @@ import lmdb
 import numpy as np
 import pyarrow as pa
 
-from loaderd.storage.errors import NotAStoreError
+from loaderd.storage.errors import CorruptRecordError, NotAStoreError
 from loaderd.storage.map_slices import MapSlices, map_view
 from loaderd.storage.pinning import PageLocks
 from loaderd.storage.prefault import MADV_POPULATE_READ, Prefault
@@ -172,7 +172,11 @@ class SampleStore:
             get = txn.get
             out: list[memoryview] = []
             for sid in ids:
-                rec = get(int(sid).to_bytes(8, "big")) if sid >= 0 else None
+                try:
+                    rec = get(int(sid).to_bytes(8, "big")) if sid >= 0 else None
+                except lmdb.Error as e:  # a damaged page on the way to the record
+                    where = f"store {self.path}"
+                    raise CorruptRecordError(int(sid), where, f"LMDB cannot read it ({e})") from e
                 if rec is None:
                     raise KeyError(f"sample {int(sid)} is not in store {self.path}")
                 if slices is not None:

@@ -170,3 +170,27 @@ def test_client_of_a_gone_daemon_times_out_naming_the_address(tmp_path: Path) ->
         next(iter(ds))
     stats = loaderd("stats", "--socket", address, "--timeout", "0.5")
     one_line_error(stats, address)
+
+
+def test_a_damaged_tree_page_names_the_sample_and_the_store(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    from loaderd.storage.value_index import build_value_index
+
+    db = tmp_path / "branch.db"
+    shutil.copytree(dataset[0], db)
+    index = build_value_index(db / "data.mdb", b"samples", 480)
+    assert index is not None
+    page = int(index.inner_pages[-1])  # the last branch page on the way to some records
+    with open(db / "data.mdb", "r+b") as f:
+        f.seek(page * index.page_bytes)
+        f.write(bytes(index.page_bytes))
+    with Daemon(db=db, state_dir=tmp_path / "state") as d:
+        ds = LoaderdDataset(d.address, job="b", batch_size=480)
+        with pytest.raises(RemoteError, match=rf"sample \d+: LMDB cannot read it .* store {db}"):
+            list(ds)
+        assert ds.stats()["dataset"]["samples"] == 480  # the daemon serves on
+        with pytest.raises(RemoteError, match="LMDB cannot read it"):
+            list(ds)  # each try fails the same way, and the read-ahead's log stays short
+        log = d.log.read_text()
+        assert log.count("read-ahead of pass") <= 1, "one traceback per kind of failure"
