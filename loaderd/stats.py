@@ -92,6 +92,7 @@ def format_table(stats: dict[str, Any]) -> str:
         [
             ("reads", f"{backing['reads']:,}"),
             ("bytes read", human_bytes(backing["bytes_read"])),
+            ("damaged reads", f"{backing.get('corrupt', 0):,}"),
         ],
     )
     out += _read_path_rows(stats.get("readahead"), stats.get("miss_workers"))

@@ -125,6 +125,7 @@ class SampleStore:
         self.info: dict[str, Any] = info
         self.reads = 0
         self.bytes_read = 0
+        self.corrupt = 0  # reads refused: a record failed its checksum, or LMDB could not reach it
         self._fd = -1  # data.mdb, for posix_fadvise (opened on first use)
         self._fd_lock = threading.Lock()  # the read-ahead and assembly threads both advise
         self._psize = int(self._env.stat()["psize"])
@@ -175,6 +176,7 @@ class SampleStore:
                 try:
                     rec = get(int(sid).to_bytes(8, "big")) if sid >= 0 else None
                 except lmdb.Error as e:  # a damaged page on the way to the record
+                    self.corrupt += 1
                     where = f"store {self.path}"
                     raise CorruptRecordError(int(sid), where, f"LMDB cannot read it ({e})") from e
                 if rec is None:
@@ -210,9 +212,23 @@ class SampleStore:
     ) -> list[memoryview]:
         """The records, their checksums verified (if ``verified``) and counted."""
         if verified:
-            verify_all(records, ids, f"store {self.path}")
+            self.verify(records, ids)
         self._count(records)
         return records
+
+    def verify(
+        self, records: Sequence[memoryview | bytes], ids: Sequence[int] | np.ndarray
+    ) -> None:
+        """Check the records' checksums; a failure is counted (``corrupt``) and raised.
+
+        Raises:
+            CorruptRecordError: the first damaged record, naming its sample and this store.
+        """
+        try:
+            verify_all(records, ids, f"store {self.path}")
+        except CorruptRecordError:
+            self.corrupt += 1
+            raise
 
     def known_bytes(self, ids: np.ndarray) -> int | None:
         """Total record length of these samples, where it is known without a read; else None.

@@ -33,7 +33,6 @@ from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache, Held
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.policies import ARENA, DRAM, Move, Policy, make_policy
-from loaderd.storage.records import verify_all
 from loaderd.storage.store import PIN_MIN_BYTES, SampleStore
 
 logger = logging.getLogger(__name__)
@@ -314,7 +313,7 @@ class TierStack:
     def _verify(self, missing: list[int], got: dict[int, Record]) -> None:
         """Check the checksums of records read from the store (once per tier crossing)."""
         try:
-            verify_all([got[sid] for sid in missing], missing, f"store {self.store.path}")
+            self.store.verify([got[sid] for sid in missing], missing)
         except CorruptRecordError as e:
             with self._lock:  # it was admitted in the bookkeeping: take that back
                 self.policy.forget(e.sample_id)
@@ -614,7 +613,11 @@ class TierStack:
         return {
             "cache": cache,
             "tiers": tiers,
-            "backing": {"reads": self.store.reads, "bytes_read": self.store.bytes_read},
+            "backing": {
+                "reads": self.store.reads,
+                "bytes_read": self.store.bytes_read,
+                "corrupt": self.store.corrupt,
+            },
         }
 
     def close(self) -> None:

@@ -98,6 +98,7 @@ def test_corrupt_record_names_the_sample_and_daemon_stays_up(
             list(ds)
         assert e.value.code == ErrorCode.CORRUPT_RECORD
         assert ds.stats()["dataset"]["samples"] == 480
+        assert ds.stats()["backing"]["corrupt"] >= 1  # counted where an operator looks
 
 
 def test_malformed_messages_get_error_replies_on_a_kept_connection(daemon: Daemon) -> None:
@@ -190,6 +191,7 @@ def test_a_damaged_tree_page_names_the_sample_and_the_store(
         with pytest.raises(RemoteError, match=rf"sample \d+: LMDB cannot read it .* store {db}"):
             list(ds)
         assert ds.stats()["dataset"]["samples"] == 480  # the daemon serves on
+        assert ds.stats()["backing"]["corrupt"] >= 1
         with pytest.raises(RemoteError, match="LMDB cannot read it"):
             list(ds)  # each try fails the same way, and the read-ahead's log stays short
         log = d.log.read_text()
