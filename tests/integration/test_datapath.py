@@ -315,25 +315,31 @@ def test_dram_holds_the_stores_locked_pages_or_copies(
         ds.close()
 
 
+def restart_under_queued_requests(d: Daemon, ds: LoaderdDataset) -> list[int]:
+    """One pass of ``ds`` (prefetch 2), the daemon killed and started again once it has
+    answered every request it got: the next ones wait in ZeroMQ's queue, which hands them to
+    the new daemon by itself. The ids the pass delivered."""
+    seen: list[int] = []
+    for i, batch in enumerate(ds):
+        seen += batch["id"].tolist()
+        if i == 2:  # three batches taken, two more asked for ahead
+            wait_until(
+                lambda: stats(d.address)["jobs"][ds.job]["batches_served"] == 5,
+                what="the batches asked for ahead",
+            )
+            d.kill()
+            d.start()
+    return seen
+
+
 def test_a_trainer_takes_shared_memory_again_from_a_restarted_daemon(
     store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    """A daemon killed once it has answered every request it got: the trainer's next ones
-    wait in ZeroMQ's queue, which hands them to the new daemon by itself. The trainer must
-    see the restart and say HELLO again, or every later batch comes over the socket."""
+    """The trainer must see the daemon's restart under its queued requests and say HELLO
+    again, or every later batch comes over the socket."""
     with Daemon(db=store[0], state_dir=tmp_path / "st") as d:
         ds = LoaderdDataset(d.address, job="again", batch_size=8, prefetch=2)
-        seen: list[int] = []
-        for i, batch in enumerate(ds):
-            seen += batch["id"].tolist()
-            if i == 2:  # three batches taken, two more asked for ahead
-                wait_until(
-                    lambda: stats(d.address)["jobs"]["again"]["batches_served"] == 5,
-                    what="the batches asked for ahead",
-                )
-                d.kill()
-                d.start()
-        assert sorted(seen) == list(range(N))
+        assert sorted(restart_under_queued_requests(d, ds)) == list(range(N))
         before = stats(d.address)["shm"]
         assert sorted(check_epoch(ds, store[1])) == list(range(N))
         shm = stats(d.address)["shm"]
@@ -350,14 +356,7 @@ def test_a_restarted_daemon_places_the_tiers_for_the_pass_it_resumes(
     requests resumes the pass without an OPEN_PASS, and must place them all the same."""
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "1MiB"]) as d:
         ds = LoaderdDataset(d.address, job="placed", batch_size=8, prefetch=2)
-        for i, _ in enumerate(ds):
-            if i == 2:  # three batches taken, two more asked for ahead
-                wait_until(
-                    lambda: stats(d.address)["jobs"]["placed"]["batches_served"] == 5,
-                    what="the batches asked for ahead",
-                )
-                d.kill()
-                d.start()
+        assert sorted(restart_under_queued_requests(d, ds)) == list(range(N))
         wait_until(lambda: stats(d.address)["placement"]["job"] == "placed", what="a placement")
         assert stats(d.address)["placement"]["epoch"] == 0
         ds.close()

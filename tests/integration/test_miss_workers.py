@@ -61,9 +61,7 @@ def test_records_workers_read_are_held_in_the_daemons_locked_map(
     # DRAM holds the whole store: the daemon locks its map whole, and a page is held only
     # once it is mapped in the daemon, which never read these records itself.
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "64MiB"]) as d:
-        ds = LoaderdDataset(d.address, job="held", batch_size=8)
-        ds.connect()  # its HELLO starts the workers
-        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        ds = with_workers(d, "held", 8)
         assert sorted(check_epoch(ds, store[1])) == list(range(N))
         dram = admitted(d.address)
         if not dram["map_locked"]:
@@ -72,6 +70,14 @@ def test_records_workers_read_are_held_in_the_daemons_locked_map(
         assert d.proc is not None
         assert _mapped_kib(d.proc.pid, store[0] / "data.mdb") * 1024 >= N * IMAGE
         ds.close()
+
+
+def with_workers(d: Daemon, job: str, batch_size: int) -> LoaderdDataset:
+    """A dataset of ``job`` that said HELLO (which starts the workers), once both run."""
+    ds = LoaderdDataset(d.address, job=job, batch_size=batch_size)
+    ds.connect()
+    wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+    return ds
 
 
 def _mapped_kib(pid: int, path: Path) -> int:
@@ -133,9 +139,7 @@ def test_batches_a_stopped_worker_holds_are_served_when_it_is_killed(
     # batch they held is assembled by the daemon, and the pass is still exactly once.
     extra = ["--dram-bytes", "256KiB"]
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
-        ds = LoaderdDataset(d.address, job="stop", batch_size=8)
-        ds.connect()
-        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        ds = with_workers(d, "stop", 8)
         pids = stats(d.address)["miss_workers"]["pids"]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
@@ -207,9 +211,7 @@ def test_hits_stay_with_the_daemon(
     # and where they are, each page is first touched in its map): hits are the daemon's, and
     # a batch of hits of 1.3 MB is copied on the server loop itself (``INLINE_BYTES``).
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "64MiB"]) as d:
-        ds = LoaderdDataset(d.address, job="hits", batch_size=64)
-        ds.connect()
-        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        ds = with_workers(d, "hits", 64)
         assert sorted(check_epoch(ds, store[1])) == list(range(N))
         assert admitted(d.address)["items"] == N
         before = stats(d.address)
@@ -229,9 +231,7 @@ def test_a_batch_larger_than_every_slot_is_not_read_by_a_worker_only_to_be_read_
     # to a worker that would read and verify it only to answer that it does not fit.
     extra = ["--dram-bytes", "1MiB", "--shm-slot-bytes", "64KiB"]
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
-        ds = LoaderdDataset(d.address, job="big", batch_size=10)
-        ds.connect()
-        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        ds = with_workers(d, "big", 10)
         assert sorted(check_epoch(ds, store[1])) == list(range(N))
         wait_until(lambda: stats(d.address)["readahead"]["indexed"], what="the value index")
         before = stats(d.address)
