@@ -185,6 +185,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)  # the same, when workers fetch
         self.reconnect_s = reconnect_s
         self._progress: dict[str, PassProgress] = {}
+        # Ended passes' slots the trainer dropped after their last request: close() gives
+        # them back (a new pass's OPEN_PASS takes every slot back by itself).
+        self._late: deque[tuple[dict[str, Any], deque[int]]] = deque(maxlen=4)
         self.delivery = DeliveryStats()
         self._welcomed = False  # reached the daemon once (here or in a parent process)
         self._phase = "train"
@@ -264,6 +267,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self.epoch = epoch
         request = {**base, "epoch": epoch}
         self._phase = phase
+        self._late.clear()  # the OPEN_PASS above took their slots back
         release: list[int] = []  # shared-memory slots this process no longer reads
         freed: deque[int] = deque()  # filled as the trainer drops batches (slot_lifetime.py)
         in_flight: deque[int] = deque()
@@ -343,6 +347,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             for rid in in_flight:
                 self._conn.ignore(rid)
             acks.drop(self._conn)  # a pass left early: a refused acknowledgement is logged
+            # The last batch is still the trainer's when the pass ends (its loop variable).
+            self._late.append(({**request, "acks": [], "release": release}, freed))
 
     def _transformed(self, batch: TaggedBatch, acks_here: bool) -> Any:
         """``transform(batch)``, in a form that carries the batch's tag to the loop's process.
@@ -726,10 +732,29 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         """The daemon's statistics (the same object as ``loaderd stats --json``)."""
         return dict(self._conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)
 
+    def _release_late(self) -> None:
+        """Give back the slots of ended passes whose batches the trainer has dropped since.
+
+        Else the daemon keeps them lent for as long as this process lives: it cannot know
+        whether a tensor still views them. A daemon that is gone has nothing to give back.
+        """
+        while self._late:
+            meta, freed = self._late.popleft()
+            release = [*meta["release"], *freed]
+            if not release:
+                continue
+            try:
+                rid = self._conn.send(MsgType.ACK, {**meta, "release": release})
+                self._conn.wait(rid)
+            except (DaemonUnavailableError, RemoteError) as e:
+                logger.info("could not give loaderd back the slots of an ended pass: %s", e)
+                return
+
     def close(self) -> None:
         """Flush feedback and acknowledgements, close this process's socket (safe twice)."""
         if self._hello_pid == os.getpid():
             self.flush()
+            self._release_late()
         self._conn.close()
         self._shm.close()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -360,3 +362,46 @@ def test_a_restarted_daemon_places_the_tiers_for_the_pass_it_resumes(
         wait_until(lambda: stats(d.address)["placement"]["job"] == "placed", what="a placement")
         assert stats(d.address)["placement"]["epoch"] == 0
         ds.close()
+
+
+_TAKE_TWO = """
+import sys
+from loaderd.client import LoaderdDataset
+ds = LoaderdDataset(sys.argv[1], job="quit", batch_size=8)
+for i, _ in enumerate(ds):
+    if i == 1:
+        break
+"""
+
+
+def test_a_trainer_that_quit_gives_back_the_slots_its_batches_took_ahead(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """A process that stops early leaves batches the daemon assembled ahead in ring slots.
+    Once no consumer of that rank is left they give the slots back: kept, they held them for
+    as long as another job used the ring, and its batches went over the socket."""
+    extra = ["--prefetch", "4", "--shm-slots", "12", "--dram-bytes", "64MiB"]  # enough for one
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="stays", batch_size=8)
+        ds.connect()  # a consumer of the ring all along
+        subprocess.run([sys.executable, "-c", _TAKE_TWO, d.address], check=True, timeout=60)
+        wait_until(lambda: stats(d.address)["consumers"]["gone"] >= 1, what="the quitter gone")
+        assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        shm = stats(d.address)["shm"]
+        assert shm["socket_fallbacks"] == 0 and shm["ring_full"] == 0, shm
+        ds.close()
+
+
+def test_datasets_closed_one_after_another_give_back_their_last_batchs_slot(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The last batch of a pass is still the trainer's when the pass ends. Dropped after
+    that, its slot goes back when the dataset closes, not when the process exits: a process
+    that makes many datasets does not fill the ring and fall back to the socket."""
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "64MiB"]) as d:
+        for k in range(3):
+            ds = LoaderdDataset(d.address, job=f"one{k}", batch_size=8)
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))
+            ds.close()  # check_epoch's batches are dropped by now
+            shm = stats(d.address)["shm"]
+            assert shm["lent_to_consumers"] == 0, f"dataset {k} kept a slot: {shm}"
