@@ -97,19 +97,20 @@ def format_table(stats: dict[str, Any]) -> str:
     )
     out += _read_path_rows(stats.get("readahead"), stats.get("miss_workers"))
     shm = stats.get("shm")
-    if shm and shm.get("ring"):
+    if shm and (shm.get("rings") or shm.get("socket_jobs")):
+        fallbacks = (
+            f"socket fallbacks {shm['socket_fallbacks']:,}: ring full {shm.get('ring_full', 0):,},"
+            f" too big {shm.get('too_big', 0):,}"
+        )
         out += _rows(
             "shared memory",
             [
-                (
-                    "ring",
-                    f"{shm['ring']}: {shm['slots']} slots of {human_bytes(shm['slot_bytes'])}",
+                *(
+                    (f"ring {r['name']}", f"{r['slots']} slots of {human_bytes(r['slot_bytes'])}")
+                    for r in shm.get("rings", [])
                 ),
                 ("lent", f"{shm['lent']} slots to {shm['consumers']} consumers"),
-                (
-                    "delivered",
-                    f"{shm['delivered']:,} (socket fallbacks {shm['socket_fallbacks']:,})",
-                ),
+                ("delivered", f"{shm['delivered']:,} ({fallbacks})"),
                 *((f"socket: {job}", why) for job, why in shm.get("socket_jobs", {}).items()),
             ],
         )

@@ -20,6 +20,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
 from loaderd.client.shm import SHM_DIR
 from loaderd.consumers import pid_namespace
+from loaderd.stats import format_table, human_bytes
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store_writer import StoreWriter
 from tests.helpers import Daemon, evict, wait_until
@@ -242,6 +243,10 @@ def test_the_first_ring_leaves_room_for_a_later_job_with_bigger_batches(
         assert not s["socket_jobs"] and s["socket_fallbacks"] == 0
         assert len(s["rings"]) == 2 and s["rings"][1]["slot_bytes"] >= 36 * IMAGE
         assert sum((SHM_DIR / r["name"]).stat().st_size for r in s["rings"]) <= cap
+        table = format_table(stats(d.address))  # `loaderd stats`: each ring as it is
+        print("TABLE", s["rings"], table)
+        for r in s["rings"]:
+            assert f"{r['slots']} slots of {human_bytes(r['slot_bytes'])}" in table
         first.close()
         later.close()
 
