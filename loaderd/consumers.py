@@ -132,10 +132,6 @@ class Consumers:
         """The consumers of a job heard from and not (yet) found gone."""
         return [k for k in self._seen if k[0] == job]
 
-    def of_job_ranks(self, ranks: set[tuple[str, int]]) -> list[ConsumerKey]:
-        """The consumers of these (job, rank) pairs heard from and not (yet) found gone."""
-        return [k for k in self._seen if k[:2] in ranks]
-
     def forget_job(self, job: str) -> None:
         """Drop every consumer of a job."""
         for key in [k for k in self._seen if k[0] == job]:

@@ -289,8 +289,13 @@ class Server:
                     n,
                     worker,
                 )
-        for name, rank in left - {k[:2] for k in self.consumers.of_job_ranks(left)}:
-            self._forget_rank(name, rank)
+        alive = {k[:2] for name in {n for n, _ in left} for k in self.consumers.of_job(name)}
+        for name, rank in left - alive:
+            # No consumer of the rank is left: its batches assembled ahead give their ring
+            # slots back, and nothing is read ahead for it, until a consumer opens a pass again
+            # (kept, a few trainers that stopped early sent a fifth of a running job's batches
+            # over the socket).
+            self._forget(partial(_of_rank, name, rank))
         self.connections.poll()
         going = self.shm.check_dead()  # jobs whose ring goes: their slots must come back
         if going:
@@ -601,20 +606,10 @@ class Server:
         head = state.queue[0] if state.queue else state.plan.num_batches
         self.readahead.follow((job.spec.name, rank, state.epoch, state.phase), state.plan, head)
 
-    def _forget_rank(self, name: str, rank: int) -> None:
-        """No consumer of a job's rank is left: give back what it holds ahead.
-
-        Its batches assembled ahead give their ring slots back, and nothing is read ahead for
-        it, until a consumer opens a pass again. Kept, they held the slots of a shared ring
-        for as long as another job used it: a few trainers that stopped early sent a fifth of
-        a running job's batches over the socket.
-        """
-
-        def its(k: tuple[Any, ...]) -> bool:
-            return bool(k[0] == name and k[1] == rank)
-
-        self.prefetcher.drop(lambda k: k not in self._waiting and its(k))
-        self.readahead.drop(its)
+    def _forget(self, which: Callable[[tuple[Any, ...]], bool]) -> None:
+        """Drop these passes' batches assembled ahead, not yet asked for, and their read-ahead."""
+        self.prefetcher.drop(lambda k: k not in self._waiting and which(k))
+        self.readahead.drop(which)
 
     def _forget_other_passes(self, job: Job, rank: int, state: PassState) -> None:
         name, cur = job.spec.name, (state.epoch, state.phase)
@@ -622,8 +617,7 @@ class Server:
         def other(k: tuple[Any, ...]) -> bool:
             return k[0] == name and k[1] == rank and (k[2], k[3]) != cur
 
-        self.prefetcher.drop(lambda k: k not in self._waiting and other(k))
-        self.readahead.drop(other)
+        self._forget(other)
 
     def _deliver(self, key: BatchKey) -> None:
         """Send an assembled batch to whoever is waiting for it."""
@@ -777,6 +771,11 @@ class Server:
         if self.autotune is not None:
             out["autotune"] = self.autotune.stats()
         return out
+
+
+def _of_rank(name: str, rank: int, key: tuple[Any, ...]) -> bool:
+    """Whether a batch or read-ahead key belongs to this job's rank."""
+    return bool(key[0] == name and key[1] == rank)
 
 
 def slot_estimate(assembler: Assembler) -> Callable[[int], list[int]]:
