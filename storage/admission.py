@@ -49,15 +49,23 @@ class AdmissionQueue:
 
     def offer(self, sample_id: int, view: memoryview) -> bool:
         """Queue a verified record for admission; False (nothing queued) when full or closed."""
-        size = view.nbytes
+        return not self.offer_many([(sample_id, view)])
+
+    def offer_many(self, items: list[tuple[int, memoryview]]) -> list[int]:
+        """Queue verified records for admission, in order, while they fit; the ids refused."""
         with self._cond:
-            if self._stop or (self._bytes and self._bytes + size > self.capacity_bytes):
-                self.dropped += 1
-                return False
-            self._items.append((sample_id, view))
-            self._bytes += size
-            self._cond.notify()
-            return True
+            took = 0
+            for _, view in items:
+                size = view.nbytes
+                if self._stop or (self._bytes and self._bytes + size > self.capacity_bytes):
+                    break
+                self._bytes += size
+                took += 1
+            if took:
+                self._items += items[:took]
+                self._cond.notify()
+            self.dropped += len(items) - took
+            return [sample_id for sample_id, _ in items[took:]]
 
     def _run(self) -> None:
         while True:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
 Record = bytes | memoryview
-Pin = Callable[[memoryview], "Callable[[], None] | None"]
+# Locks views' pages in RAM: for each, its unlock, or None (then it is copied).
+Pin = Callable[[Sequence[memoryview]], "list[Callable[[], None] | None]"]
 Held = tuple[Record, "Callable[[], None] | None"]  # what the tier keeps, and its unlock
 
 
@@ -47,8 +48,8 @@ class DramCache:
 
     Args:
         capacity_bytes: the most record bytes held at once; 0 disables the tier.
-        pin: locks a view's pages in RAM and returns the unlock, or None (then the record
-            is copied); without it every view is copied.
+        pin: locks views' pages in RAM and returns each one's unlock, or None (then that
+            record is copied); without it every view is copied.
         recency: whether a hit marks the record most recently used (an LRU). False where an
             owner decides what the tier holds and keeps it within the capacity (the tier
             stack's policy): hits then skip that step, the costly part of serving a batch
@@ -113,10 +114,18 @@ class DramCache:
         an admission (a system call or a copy), so callers that hold a lock of their own
         call it before taking that lock and pass the result to ``put``.
         """
-        if isinstance(record, memoryview):
-            unpin = self._pin(record) if self._pin is not None else None
-            return (record, unpin) if unpin is not None else (own_copy(record), None)
-        return record, None
+        return self.hold_many([record])[0]
+
+    def hold_many(self, records: Sequence[Record]) -> list[Held]:
+        """``hold`` of each record, the views' pages locked together (one system call)."""
+        views = [r for r in records if isinstance(r, memoryview)]
+        unpins = iter(self._pin(views) if self._pin is not None and views else ())
+        return [
+            ((r, unpin) if (unpin := next(unpins, None)) is not None else (own_copy(r), None))
+            if isinstance(r, memoryview)
+            else (r, None)
+            for r in records
+        ]
 
     def put(self, sample_id: int, record: Record, held: Held | None = None) -> bool:
         """Admit a record, evicting the least recently used ones; False if it cannot fit.
@@ -144,12 +153,15 @@ class DramCache:
                 self.pinned += 1
             return True
 
-    def put_many(self, held: dict[int, Held]) -> None:
+    def put_many(self, held: dict[int, Held]) -> list[int]:
         """``put`` of each record, in order, from what ``hold`` made of it, under one lock.
 
         The same records evicted as one ``put`` after another: the least recently used
         until the batch fits. A batch larger than the tier, or with a record held already
         (a ``put`` replaces it in its turn), is put one record at a time.
+
+        Returns:
+            The ids not admitted (too large for the tier; let go as ``put`` does).
         """
         size = sum(len(rec) for rec, _ in held.values())
         items = self._items
@@ -165,9 +177,9 @@ class DramCache:
                     if unpin is not None:
                         self._unpin[sid] = unpin
                         self.pinned += 1
-        if not whole:
-            for sid, h in held.items():
-                self.put(sid, h[0], h)
+        if whole:
+            return []
+        return [sid for sid, h in held.items() if not self.put(sid, h[0], h)]
 
     def discard(self, sample_id: int) -> Record | None:
         """Remove a record without counting an eviction; returns it, or None if absent."""

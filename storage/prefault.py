@@ -23,11 +23,9 @@ import os
 
 import numpy as np
 
-from loaderd.storage.syscalls import madvise
+from loaderd.storage.syscalls import MADV_POPULATE_READ, madvise
 
 logger = logging.getLogger(__name__)
-
-MADV_POPULATE_READ = 22  # linux/mman.h, since 5.14
 
 
 class Prefault:

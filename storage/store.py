@@ -32,10 +32,10 @@ import pyarrow as pa
 from loaderd.storage.errors import CorruptRecordError, NotAStoreError
 from loaderd.storage.map_slices import MapSlices, map_view
 from loaderd.storage.pinning import PageLocks
-from loaderd.storage.prefault import MADV_POPULATE_READ, Prefault
+from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Schema, verify_all
 from loaderd.storage.residency import ResidencyProbe
-from loaderd.storage.syscalls import address_of, madvise, mapped_at, mlock_onfault
+from loaderd.storage.syscalls import address_of, mapped_at, mlock_onfault, populate_read
 from loaderd.storage.value_index import ValueIndex, block_ranges, build_value_index
 
 logger = logging.getLogger(__name__)
@@ -508,22 +508,40 @@ class SampleStore:
         not locked (None: the caller copies it). Below ``PIN_MIN_BYTES`` a copy is cheaper
         than the system call (measured: ``mlock`` ~8 us, a copy into fresh memory ~0.6 us per
         KiB), so those are copied too (and copies packed together serve hits faster than
-        views spread over leaf pages). Once the whole map is locked (``lock_map``), a larger
-        record is held as it is, its pages mapped here in one call (they are locked as they
-        are mapped, and a miss worker read them through a map of its own).
+        views spread over leaf pages). Once the whole map is locked (``lock_map``), see
+        ``pin_many``.
         """
+        return self.pin_many([record])[0]
+
+    def pin_many(self, records: Sequence[memoryview]) -> list[Callable[[], None] | None]:
+        """``pin`` of each record: its unlock, or None where it is to be copied.
+
+        Once the whole map is locked (``lock_map``), a larger record is held as it is: its
+        pages are locked as they are mapped, and they are mapped here, for all the records
+        at once (``populate_read``), since a miss worker read them through a map of its own.
+        """
+        if self._map_locked is None:
+            return [self._pin_one(r) if self._locks.enabled else None for r in records]
+        lo, hi = self._map_locked
+        psize = self._psize
+        out: list[Callable[[], None] | None] = []
+        ranges: list[tuple[int, int]] = []
+        for record in records:
+            address = address_of(record) if record.nbytes >= PIN_MIN_BYTES else 0
+            if not lo <= address < hi:
+                out.append(None)
+                continue
+            first = address - address % psize
+            ranges.append((first, address + record.nbytes - first))
+            out.append(_still_locked)
+        populate_read(ranges)  # else on first touch
+        return out
+
+    def _pin_one(self, record: memoryview) -> Callable[[], None] | None:
+        """``mlock`` of an overflow record's own pages (the map is not locked whole)."""
         if record.nbytes < PIN_MIN_BYTES:
             return None
         address = address_of(record)
-        whole = self._map_locked
-        if whole is not None:
-            if not whole[0] <= address < whole[1]:
-                return None
-            first = address - address % self._psize
-            madvise(first, address + record.nbytes - first, MADV_POPULATE_READ)  # else on touch
-            return _still_locked
-        if not self._locks.enabled:
-            return None
         if address % self._psize != _OVERFLOW_HEADER:
             return None
         start = address - _OVERFLOW_HEADER

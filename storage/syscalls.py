@@ -6,7 +6,9 @@ microseconds that wait costs more than the call. So short calls that never wait 
 through ``PyDLL`` and keep the GIL: ``mlock`` of a record just read (~10 us; letting go made
 DRAM admission so slow that a store fitting in DRAM took three epochs to be all hits, one
 now; a page reclaimed in between is read back with the GIL held, rare and only slower),
-``munlock`` and ``mincore``. ``madvise(MADV_POPULATE_READ)`` waits for reads, so it lets go.
+``munlock`` and ``mincore``. ``madvise(MADV_POPULATE_READ)`` waits for reads, so it lets go,
+and ``populate_read`` maps a batch's records with one call (one wait for the GIL, not one
+per record).
 
 A record is locked with ``mlock2(MLOCK_ONFAULT)`` where the C library has it: the record was
 just read and checked, so its pages are mapped, and those are locked as ``mlock`` would; what
@@ -20,6 +22,8 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import threading
+from collections.abc import Sequence
 
 import pyarrow as pa
 
@@ -43,6 +47,64 @@ mincore.argtypes, mincore.restype = (
     ctypes.c_int,
 )
 madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+_syscall = _releasing.syscall
+_syscall.restype = ctypes.c_long
+
+MADV_POPULATE_READ = 22  # Linux 5.14
+# Numbered alike on every architecture (added after the tables were unified).
+_SYS_PIDFD_OPEN, _SYS_PROCESS_MADVISE = 434, 440
+_IOV_MAX = 1024
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _Self:
+    """A pidfd of this process for ``process_madvise``, reopened after a fork; -1: none."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._fd = -1
+        self.usable = True  # False once the kernel refused populating many ranges at once
+
+    def fd(self) -> int:
+        with self._lock:
+            if self._pid != os.getpid():  # a fork: the inherited one names the parent
+                self._pid = os.getpid()
+                self._fd = int(_syscall(_SYS_PIDFD_OPEN, self._pid, 0))
+                if self._fd < 0:
+                    self.usable = False
+            return self._fd
+
+
+_self = _Self()
+
+
+def populate_read(ranges: Sequence[tuple[int, int]]) -> None:
+    """Map the pages of these ``(address, length)`` ranges of a file map into this process.
+
+    ``process_madvise(MADV_POPULATE_READ)`` on this process takes up to 1024 ranges a call
+    (Linux 6.13 and later): one system call, and one wait to win the GIL back, for a batch's
+    records, where ``madvise`` per record let the GIL go and waited for it 64 times a batch
+    beside the busy server loop. Older kernels refuse it; then each range is advised alone.
+    Failures are not reported: a page left unmapped is mapped (and, in a locked map,
+    locked) when it is next read.
+    """
+    for lo in range(0, len(ranges), _IOV_MAX):
+        chunk = ranges[lo : lo + _IOV_MAX]
+        if _self.usable:
+            fd = _self.fd()
+            if fd >= 0:
+                iov = (_Iovec * len(chunk))(*(_Iovec(a, n) for a, n in chunk))
+                done = _syscall(_SYS_PROCESS_MADVISE, fd, iov, len(chunk), MADV_POPULATE_READ, 0)
+                if done == sum(n for _, n in chunk):
+                    continue
+                if done < 0 and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                    _self.usable = False
+        for address, length in chunk:  # one by one (again, where a range failed part way)
+            madvise(address, length, MADV_POPULATE_READ)
 
 
 def mlock_onfault(address: int, length: int) -> int:

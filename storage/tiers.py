@@ -94,7 +94,7 @@ class TierStack:
             if isinstance(dram, DramCache)
             else DramCache(
                 dram,
-                pin=store.pin if lock_pages else None,
+                pin=store.pin_many if lock_pages else None,
                 recency=self.policy.overfills_dram,
             )
         )
@@ -278,7 +278,7 @@ class TierStack:
             admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
             if self._admissions is not None:
                 admits = dict.fromkeys(s for s in admits if len(got[s]) < PIN_MIN_BYTES)
-            held = {s: self.dram.hold(got[s]) for s in admits}
+            held = dict(zip(admits, self.dram.hold_many([got[s] for s in admits]), strict=True))
             try:
                 with self._lock:
                     self._apply(moves, got, held)
@@ -370,11 +370,12 @@ class TierStack:
             held.clear()
             return
         moves = sorted(moves, key=lambda m: m[0] != "demote" and m != ("drop", m[1], DRAM))
+        late: list[tuple[int, memoryview]] = []  # for the admission queue, offered together
         for kind, sid, tier in moves:
             if kind == "admit":
                 rec = have[sid]
                 if tier == DRAM:
-                    self._put_dram(sid, rec, held.pop(sid, None) if held else None)
+                    self._put_dram(sid, rec, held.pop(sid, None) if held else None, late)
                 elif not self._queue_put(sid, bytes(rec)):
                     self.policy.forget(sid)
             elif kind == "drop":
@@ -389,19 +390,24 @@ class TierStack:
                 if got is None:
                     self.policy.forget(sid)
                     continue
-                self._put_dram(sid, got)
+                self._put_dram(sid, got, None, late)
                 self._queue_discard(sid)
             else:  # demote
                 demoted = self.dram.discard(sid) or have.get(sid)
                 if demoted is None or not self._queue_put(sid, bytes(demoted)):
                     self.policy.forget(sid)
+        if late and self._admissions is not None:
+            for sid in self._admissions.offer_many(late):
+                self.policy.forget(sid)  # dropped: the next read goes to the store again
 
-    def _put_dram(self, sid: int, rec: Record, held: Held | None = None) -> None:
-        """Admit into DRAM now, or (a view of the store, with a queue) after the read."""
+    def _put_dram(
+        self, sid: int, rec: Record, held: Held | None, late: list[tuple[int, memoryview]]
+    ) -> None:
+        """Admit into DRAM now, or (a view of the store, with a queue) into ``late``."""
         if self._admissions is None or held is not None or not isinstance(rec, memoryview):
             self.dram.put(sid, rec, held)
-        elif not self._admissions.offer(sid, rec):
-            self.policy.forget(sid)  # dropped: the next read goes to the store again
+        else:
+            late.append((sid, rec))
 
     def _admit_late(self, batch: list[tuple[int, memoryview]]) -> None:
         """The admission queue's worker: lock (or copy) each record, then put it in DRAM.
@@ -412,23 +418,30 @@ class TierStack:
         so DRAM holds verified bytes without a second checksum. A record the policy no longer
         places in DRAM (dropped or moved since) is let go.
         """
-        held = [(sid, self.dram.hold(view)) for sid, view in batch]
+        ids = [sid for sid, _ in batch]
+        held = self.dram.hold_many([view for _, view in batch])  # pages mapped in one call
         for lo in range(0, len(held), _ADMIT_CHUNK):  # short turns at the serving path's lock
-            with self._lock:
-                for i, (sid, (rec, unpin)) in enumerate(held[lo : lo + _ADMIT_CHUNK], lo):
-                    try:
-                        if self.policy.lookup(sid) != DRAM:
-                            if unpin is not None:
-                                unpin()
-                        elif self.dram.put(sid, rec, (rec, unpin)):
-                            self.admitted_late += 1
-                        else:
-                            self.policy.forget(sid)  # too large for the tier (put let it go)
-                    except BaseException:
-                        for _, (_, rest) in held[i + 1 :]:
-                            if rest is not None:
-                                rest()
-                        raise
+            chunk = held[lo : lo + _ADMIT_CHUNK]
+            try:
+                with self._lock:
+                    sids = ids[lo : lo + _ADMIT_CHUNK]
+                    where = self.policy.lookup_many(np.asarray(sids, np.int64))
+                    keep: dict[int, Held] = {}
+                    for sid, h, placed in zip(sids, chunk, (where == DRAM).tolist(), strict=True):
+                        gone = keep.pop(sid, None) if placed else h  # offered twice: the last
+                        if gone is not None and gone[1] is not None:
+                            gone[1]()
+                        if placed:
+                            keep[sid] = h
+                    refused = self.dram.put_many(keep)  # too large for the tier (let go)
+                    for sid in refused:
+                        self.policy.forget(sid)
+                    self.admitted_late += len(keep) - len(refused)
+            except BaseException:
+                for _, rest in held[lo + len(chunk) :]:  # never offered to the tier
+                    if rest is not None:
+                        rest()
+                raise
 
     def settle(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued DRAM admissions are done; False on timeout."""

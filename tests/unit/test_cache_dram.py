@@ -151,6 +151,15 @@ def test_a_batch_put_whole_leaves_what_one_put_after_another_leaves() -> None:
     assert len(released) % 2 == 0  # every lock let go by one was let go by the other
 
 
+def test_a_batch_put_names_the_records_too_large_for_the_tier() -> None:
+    released: list[int] = []
+    cache = DramCache(100)
+    held = {s: (bytes(n), lambda s=s: released.append(s)) for s, n in [(1, 40), (2, 101), (3, 60)]}
+    assert cache.put_many(held) == [2]  # let go, its lock with it
+    assert released == [2] and 1 in cache and 3 in cache and cache.used_bytes == 100
+    assert cache.put_many({4: (bytes(10), None)}) == []
+
+
 def test_hit_rate_with_no_lookups() -> None:
     assert DramCache(10).stats()["hit_rate"] == 0.0
 
@@ -321,6 +330,22 @@ def test_admission_queue_admits_after_the_read_and_locks_nothing_it_forgets(
         page = mmap.PAGESIZE
         pages = -(-(len(truth[0]) + 16) // page) * page
         assert store.locked_bytes == stack.dram.pinned * pages
+    finally:
+        stack.close()
+    assert store.locked_bytes == 0
+
+
+def test_records_read_again_before_their_admission_are_locked_once(tmp_path: Path) -> None:
+    path, truth = big_store(tmp_path, 40, 40)
+    store = SampleStore(path)
+    stack = TierStack(store, store.file_bytes - 1, admit_queue_bytes=64 << 20)
+    try:
+        for ids in (np.arange(20), np.arange(10, 40), np.arange(40)[::-1]):
+            assert stack.get_many(ids) == [truth[i] for i in ids]
+        assert stack.settle()
+        page = mmap.PAGESIZE
+        pages = -(-(len(truth[0]) + 16) // page) * page
+        assert len(stack.dram) == 40 and store.locked_bytes == stack.dram.pinned * pages
     finally:
         stack.close()
     assert store.locked_bytes == 0

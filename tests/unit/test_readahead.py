@@ -13,6 +13,7 @@ import pytest
 
 from loaderd.planner import RankPlan, plan_pass
 from loaderd.readahead import ReadAhead
+from loaderd.storage import syscalls
 from loaderd.storage.dram import DramCache
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, READ_UNIT, SampleStore
@@ -451,7 +452,7 @@ def test_dram_holds_large_store_records_as_locked_views(store_path: Path) -> Non
         with store.views([big, small]) as (vbig, vsmall):
             assert vbig.nbytes >= PIN_MIN_BYTES > vsmall.nbytes
             want = bytes(vbig), bytes(vsmall)
-            dram = DramCache(1 << 20, pin=store.pin)
+            dram = DramCache(1 << 20, pin=store.pin_many)
             assert dram.put(big, vbig) and dram.put(small, vsmall)
         if not dram.pinned:
             pytest.skip("mlock is not allowed here (RLIMIT_MEMLOCK)")
@@ -474,7 +475,7 @@ def test_a_store_locked_whole_holds_every_record_without_a_lock_each(store_path:
         big, small = 1, 0
         with store.views([big, small]) as (vbig, vsmall):
             want = bytes(vbig), bytes(vsmall)
-            dram = DramCache(1 << 20, pin=store.pin)
+            dram = DramCache(1 << 20, pin=store.pin_many)
             assert dram.put(big, vbig) and dram.put(small, vsmall)
         # The large one is a view of the map, locked without a lock of its own; the small
         # one a copy, as before (copies packed together serve hits faster).
@@ -485,28 +486,38 @@ def test_a_store_locked_whole_holds_every_record_without_a_lock_each(store_path:
         assert locked >= len(want[0])  # the pages the read mapped, by the kernel's count
         assert locked < store.file_bytes  # and only those: nothing was read for the lock
         outside = memoryview(bytearray(want[0]))  # not the store's: copied
-        assert DramCache(1 << 20, pin=store.pin).hold(outside)[1] is None
+        assert DramCache(1 << 20, pin=store.pin_many).hold(outside)[1] is None
 
 
-def test_a_record_held_from_a_map_locked_whole_has_its_pages_mapped_here(
-    store_path: Path,
+@pytest.mark.parametrize("together", [True, False], ids=["one call", "a call each"])
+def test_records_held_from_a_map_locked_whole_have_their_pages_mapped_here(
+    store_path: Path, together: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A miss worker read the record through a map of its own, so this process may never
-    # have mapped its pages; the lock holds only pages mapped here (``MLOCK_ONFAULT``).
+    # A miss worker read the records through a map of its own, so this process may never
+    # have mapped their pages; the lock holds only pages mapped here (``MLOCK_ONFAULT``).
+    # A batch's are mapped with one ``process_madvise``, or one ``madvise`` each where the
+    # kernel refuses that (before Linux 6.13).
+    if not together:
+        monkeypatch.setattr(syscalls._self, "usable", False)
     with SampleStore(store_path) as store:
         if not store.lock_map():
             pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
         index = store.value_index
         assert index is not None
         address, length = map_of(store_path / "data.mdb")
-        sid = 7  # odd ids are the large ones, with pages of their own
-        start, n = address + int(index.offsets[sid]), int(index.lengths[sid])
-        pages = slice(start // mmap.PAGESIZE - address // mmap.PAGESIZE,
-                      -(-(start + n) // mmap.PAGESIZE) - address // mmap.PAGESIZE)  # fmt: skip
-        assert not mapped_pages(address, length)[pages].any(), "nothing read it here yet"
-        view = memoryview((ctypes.c_char * n).from_address(start)).cast("B")  # touches nothing
-        assert store.pin(view) is not None
-        assert mapped_pages(address, length)[pages].all()
+        sids = [3, 7, 11, 0]  # odd ids are the large ones, with pages of their own
+        views, pages = [], []
+        for sid in sids:
+            start, n = address + int(index.offsets[sid]), int(index.lengths[sid])
+            first = start // mmap.PAGESIZE - address // mmap.PAGESIZE
+            pages.append(slice(first, -(-(start + n) // mmap.PAGESIZE) - address // mmap.PAGESIZE))
+            views.append(memoryview((ctypes.c_char * n).from_address(start)).cast("B"))
+        mapped = mapped_pages(address, length)
+        assert not any(mapped[p].any() for p in pages[:3]), "nothing read them here yet"
+        unlocks = store.pin_many(views)  # the views touched nothing
+        assert [u is not None for u in unlocks] == [True, True, True, False]  # 0: copied
+        mapped = mapped_pages(address, length)
+        assert all(mapped[p].all() for p in pages[:3])
 
 
 def test_passes_read_by_other_processes_are_advised_but_not_mapped_here(
