@@ -82,21 +82,26 @@ class _Self:
 _self = _Self()
 
 
-def populate_read(ranges: Sequence[tuple[int, int]]) -> None:
+def populate_read(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """Map the pages of these ``(address, length)`` ranges of a file map into this process.
 
     ``process_madvise(MADV_POPULATE_READ)`` on this process takes up to 1024 ranges a call
     (Linux 6.13 and later): one system call, and one wait to win the GIL back, for a batch's
     records, where ``madvise`` per record let the GIL go and waited for it 64 times a batch
     beside the busy server loop. Older kernels refuse it; then each range is advised alone.
-    Failures are not reported: a page left unmapped is mapped (and, in a locked map,
-    locked) when it is next read.
+    A page left unmapped is mapped (and, in a locked map, locked) when it is next read.
+
+    Returns:
+        The system calls made, and the error of the range ``madvise`` refused (the ranges
+        after it are left), or 0. An interrupted call (``EINTR``) is not a refusal.
     """
+    calls = 0
     for lo in range(0, len(ranges), _IOV_MAX):
         chunk = ranges[lo : lo + _IOV_MAX]
         if _self.usable:
             fd = _self.fd()
             if fd >= 0:
+                calls += 1
                 iov = (_Iovec * len(chunk))(*(_Iovec(a, n) for a, n in chunk))
                 done = _syscall(_SYS_PROCESS_MADVISE, fd, iov, len(chunk), MADV_POPULATE_READ, 0)
                 if done == sum(n for _, n in chunk):
@@ -104,7 +109,12 @@ def populate_read(ranges: Sequence[tuple[int, int]]) -> None:
                 if done < 0 and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
                     _self.usable = False
         for address, length in chunk:  # one by one (again, where a range failed part way)
-            madvise(address, length, MADV_POPULATE_READ)
+            calls += 1
+            if madvise(address, length, MADV_POPULATE_READ) != 0:
+                err = ctypes.get_errno()
+                if err != errno.EINTR:
+                    return calls, err
+    return calls, 0
 
 
 def mlock_onfault(address: int, length: int) -> int:

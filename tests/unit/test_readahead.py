@@ -15,6 +15,7 @@ from loaderd.planner import RankPlan, plan_pass
 from loaderd.readahead import ReadAhead
 from loaderd.storage import syscalls
 from loaderd.storage.dram import DramCache
+from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, READ_UNIT, SampleStore
 from loaderd.storage.store_writer import StoreWriter
@@ -401,6 +402,20 @@ def pages_of(store: SampleStore, ids: np.ndarray, pages: int) -> np.ndarray:
     for off, n in zip(starts.tolist(), lengths.tolist(), strict=True):
         out[off // mmap.PAGESIZE : (off + n) // mmap.PAGESIZE] = True
     return out
+
+
+@pytest.mark.parametrize("many", [True, False], ids=["one call", "a call each"])
+def test_prefault_is_switched_off_where_the_kernel_refuses_a_range(
+    monkeypatch: pytest.MonkeyPatch, many: bool
+) -> None:
+    monkeypatch.setattr(syscalls._self, "usable", many)
+    region = mmap.mmap(-1, 4 * mmap.PAGESIZE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    region.close()  # unmapped: no map there to populate
+    pages = Prefault(address, 4 * mmap.PAGESIZE)
+    assert pages.populate(np.array([0, 2 * mmap.PAGESIZE]), np.array([mmap.PAGESIZE] * 2)) >= 1
+    assert not pages.enabled
+    assert pages.populate(np.array([0]), np.array([mmap.PAGESIZE])) == 0  # not asked again
 
 
 def test_prefault_maps_exactly_the_pages_of_the_advised_records(tmp_path: Path) -> None:
