@@ -35,7 +35,7 @@ PASSES = 3
 
 def work(db: Path, slot_file: str, part: int, parts: int, width: int, out: Any) -> None:
     """Read, check and copy every ``parts``-th batch of three passes; puts (start, end)."""
-    store = _stores.get(db) or SampleStore(db)
+    store = _stores.get(db) or SampleStore(db, check_damaged=False)
     n = store.num_samples
     order = np.concatenate([np.random.default_rng(e).permutation(n) for e in range(PASSES)])
     fd = os.open(slot_file, os.O_RDWR)
@@ -69,7 +69,7 @@ def run(db: Path, width: int, how: str, count: int) -> float:
         out: Any = queue.Queue() if how == "threads" else spawn.Queue()
         args = [(db, slot_file, k, count, width, out) for k in range(count)]
         if how == "threads":
-            _stores[db] = SampleStore(db)
+            _stores[db] = SampleStore(db, check_damaged=False)
             workers: list[Any] = [threading.Thread(target=work, args=a) for a in args]
         else:
             workers = [spawn.Process(target=work, args=a) for a in args]

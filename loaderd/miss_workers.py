@@ -194,13 +194,15 @@ class MissWorkers:
         """Whether this batch may go to a worker: bound for a ring slot, and not all in DRAM.
 
         A batch DRAM holds whole is the daemon's to copy from DRAM: a worker would read the
-        store's pages again, from the disk where they are not cached.
+        store's pages again, from the disk where they are not cached. A batch with a record
+        damaged past the end of the file is the daemon's to refuse (reading it would fault).
         """
         return (
             isinstance(allocate, RingAllocator)
             and self.enabled
             and len(ids) > 0
             and not self._tiers.in_dram(ids)
+            and self._tiers.store.unreachable(ids) is None
         )
 
     @property
@@ -539,7 +541,7 @@ def _fill(
 def serve(conn: Connection, store_path: str) -> None:
     """A worker's loop: batches in, ("ok", ...) or (reason, message) out, until EOF."""
     try:
-        store = SampleStore(store_path)
+        store = SampleStore(store_path, check_damaged=False)  # takes() sends none
         writer = BatchWriter(store.schema)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -88,13 +88,18 @@ class SampleStore:
 
     Args:
         path: the store directory (as written by ``StoreWriter``).
+        check_damaged: before a record is first read through LMDB, build the value index
+            (once) and refuse the samples it finds running past the file (``unreachable``):
+            LMDB would hand them out unchecked, and reading one is a SIGBUS. A miss worker
+            passes False: the daemon sends it no such sample, and one index is enough.
 
     Raises:
         NotAStoreError: the path is missing or is not a loaderd store.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, check_damaged: bool = True) -> None:
         self.path = Path(path)
+        self._check_damaged = check_damaged
         if not (self.path / "data.mdb").is_file():
             raise NotAStoreError(f"{self.path}: not a loaderd store (no data.mdb)")
         try:
@@ -169,6 +174,8 @@ class SampleStore:
         if sliced is not None:  # no call into LMDB (``map_slices.py``)
             yield self._checked(sliced, ids, verified)
             return
+        if self._check_damaged:
+            self._refuse_unreachable(np.asarray(ids, np.int64))
         with self._env.begin(db=self._samples, buffers=True) as txn:
             get = txn.get
             out: list[memoryview] = []
@@ -185,6 +192,23 @@ class SampleStore:
                     slices.confirm(int(sid), rec)
                 out.append(rec)
             yield self._checked(out, ids, verified)
+
+    def unreachable(self, ids: np.ndarray) -> int | None:
+        """The first of these samples whose record runs past the end of data.mdb, if any.
+
+        Known from the value index (built here the first time); None also where there is no
+        index. Such a record is damaged in LMDB's leaf page: reading it would fault.
+        """
+        index = self.value_index
+        return None if index is None else index.first_damaged(ids)
+
+    def _refuse_unreachable(self, ids: np.ndarray) -> None:
+        sid = self.unreachable(ids)
+        if sid is not None:
+            self.corrupt += 1
+            raise CorruptRecordError(
+                sid, f"store {self.path}", "its leaf node says it runs past the end of data.mdb"
+            )
 
     @contextmanager
     def views_at(
@@ -408,13 +432,17 @@ class SampleStore:
     def _prefault(self) -> Prefault | None:
         """The map's pages, located from one record: its address less its file offset."""
         index = self.value_index
-        if index is None or not self.num_samples:
+        if index is None or len(index.damaged) == self.num_samples:
             return None
+        # The lowest id not damaged (``damaged`` is sorted): the first place it differs.
+        first = next(i for i, d in enumerate([*index.damaged.tolist(), -1]) if i != d)
         with self._env.begin(db=self._samples, buffers=True) as txn:
-            rec = txn.get(_KEY.pack(0))
-            base = None if rec is None else address_of(rec) - int(index.offsets[0])
+            rec = txn.get(_KEY.pack(first))
+            base = None if rec is None else address_of(rec) - int(index.offsets[first])
         if base is None or base % _PAGE:  # a map starts on a page: the index is off
-            logger.info("store %s: record 0 is not where the index says; no prefault", self.path)
+            logger.info(
+                "store %s: record %d is not where the index says; no prefault", self.path, first
+            )
             return None
         return Prefault(base, int(self._env.info()["map_size"]))
 

@@ -14,6 +14,12 @@ index is a hint only: records are still read and verified through LMDB, so a wro
 could cost speed, never bytes. Anything unexpected (another engine version, a page that does
 not parse, ids that are not 0..N-1) gives no index, and the caller reads ahead without one.
 
+One thing the index knows that LMDB does not check: a value whose leaf node gives a length
+(or an overflow page) running past the end of the file. LMDB returns it as it is, py-lmdb
+touches every page of it, and the first page past the file is a SIGBUS that kills the
+process. Such samples are listed as ``damaged``, and the store refuses them as corrupt
+before LMDB is asked (``SampleStore.views``).
+
 The walk also keeps the pages every lookup through LMDB reads and no record's advice covers:
 the meta pages, the branch pages of ``samples``, and its leaf pages that hold only pointers to
 values stored in pages of their own (a leaf holding values is read with them). A reader that
@@ -52,6 +58,9 @@ class ValueIndex:
 
     ``offsets[i]``, ``lengths[i]``: the record of sample i occupies bytes
     ``[offsets[i], offsets[i] + lengths[i])`` of the file (12 bytes of memory per sample).
+    ``damaged``: samples whose leaf node says their record runs past the end of the file
+    (sorted ids). LMDB would hand out such a value unchecked, and the first byte read past
+    the file is a SIGBUS; each is indexed as an empty record in its leaf page.
     """
 
     offsets: np.ndarray  # int64 [N]
@@ -61,9 +70,17 @@ class ValueIndex:
     inner_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     leaf_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     page_bytes: int = 4096
+    damaged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+    def first_damaged(self, ids: np.ndarray) -> int | None:
+        """The first of these samples (in their order) whose record runs past the file."""
+        if not len(self.damaged):
+            return None
+        bad = np.isin(ids, self.damaged)
+        return int(ids[np.argmax(bad)]) if bad.any() else None
 
     def nbytes(self, ids: np.ndarray) -> int:
         """Record bytes of these samples."""
@@ -138,7 +155,7 @@ def build_value_index(path: Path, db_name: bytes, num_samples: int) -> ValueInde
         # Exactly the tree's pages: the kernel's readahead of a buffered read would pull in
         # the records around each page too (8 MiB windows on some disks).
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return _Walker(fd, os.fstat(fd).st_size).index(db_name, num_samples)
+        return _Walker(fd, os.fstat(fd).st_size, path).index(db_name, num_samples)
     except (_Unreadable, struct.error, ValueError, OSError) as e:
         logger.warning("no read-ahead index for %s (%s): reading ahead without one", path, e)
         return None
@@ -147,9 +164,10 @@ def build_value_index(path: Path, db_name: bytes, num_samples: int) -> ValueInde
 
 
 class _Walker:
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, path: Path) -> None:
         self.fd = fd
         self.size = size
+        self.path = path
         head = os.pread(fd, _HDR + 160, 0)
         if len(head) < _HDR + 136 or _U32.unpack_from(head, _HDR)[0] != _MAGIC:
             raise _Unreadable("not an LMDB 0.9 data file")
@@ -162,6 +180,7 @@ class _Walker:
         root = self._named_root(main_root, db_name)
         offsets = np.full(num_samples, -1, np.int64)
         lengths = np.zeros(num_samples, np.uint32)
+        node_at = np.zeros(num_samples, np.int64)  # each value's node, in its leaf page
         if num_samples == 0:
             return ValueIndex(offsets, lengths)
         level = [root]
@@ -181,7 +200,7 @@ class _Walker:
                 else:
                     raise _Unreadable(f"page {pgno} is neither branch nor leaf (0x{flags:x})")
             for pgno, page in leaves:
-                if self._leaf_values(pgno, page, offsets, lengths):
+                if self._leaf_values(pgno, page, offsets, lengths, node_at):
                     pointer_leaves.append(pgno)  # no record's advice reads it
             if not children:
                 break
@@ -190,14 +209,24 @@ class _Walker:
             raise _Unreadable("tree deeper than LMDB allows")
         if (offsets < 0).any():
             raise _Unreadable(f"{int((offsets < 0).sum())} of {num_samples} ids not found")
-        if int((offsets + lengths).max()) > self.size:
-            raise _Unreadable("a value lies past the end of the file")
+        damaged = np.flatnonzero(offsets + lengths > self.size)
+        if len(damaged):
+            logger.warning(
+                "%d records of %s run past the end of the file (damaged leaf nodes; "
+                "samples %s): they are refused as corrupt, never read",
+                len(damaged),
+                self.path,
+                ", ".join(map(str, damaged[:5].tolist())) + (", ..." if len(damaged) > 5 else ""),
+            )
+            offsets[damaged] = node_at[damaged]  # an empty record in its leaf page
+            lengths[damaged] = 0
         return ValueIndex(
             offsets,
             lengths,
             np.unique(np.array(inner, np.int64)),
             np.unique(np.array(pointer_leaves, np.int64)),
             self.psize,
+            damaged,
         )
 
     def _committed_main_root(self) -> int:
@@ -272,7 +301,7 @@ class _Walker:
         return [lo | hi << 16 | nflags << 32 for _, lo, hi, nflags, _ in self._nodes(page)]
 
     def _leaf_values(
-        self, pgno: int, page: bytes, offsets: np.ndarray, lengths: np.ndarray
+        self, pgno: int, page: bytes, offsets: np.ndarray, lengths: np.ndarray, node_at: np.ndarray
     ) -> bool:
         """Index the leaf's values; whether every one lies in overflow pages of its own."""
         ps, n = self.psize, len(offsets)
@@ -289,4 +318,5 @@ class _Walker:
                 offsets[sid] = pgno * ps + o + 16
                 pointers_only = False
             lengths[sid] = lo | hi << 16
+            node_at[sid] = pgno * ps + o + 16
         return pointers_only

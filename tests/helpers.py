@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import tempfile
 import time
@@ -40,6 +41,24 @@ def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.02)
+
+
+def damage_value_length(db: Path, sample_id: int) -> None:
+    """Make the leaf node of a value kept in overflow pages say it runs 16 MiB past the file.
+
+    The kind of damage LMDB does not check: its ``get`` returns the value as the node says.
+    """
+    data = bytearray((db / "data.mdb").read_bytes())
+    key = sample_id.to_bytes(8, "big")
+    at = data.find(key)
+    while at >= 0:
+        _, _, flags, ksize = struct.unpack_from("<4H", data, at - 8)
+        if ksize == 8 and flags & 0x01:  # F_BIGDATA: the node of a value in overflow pages
+            struct.pack_into("<H", data, at - 6, 0x0100)  # the length's high half: +16 MiB
+            (db / "data.mdb").write_bytes(data)
+            return
+        at = data.find(key, at + 1)
+    raise AssertionError(f"no overflow node for sample {sample_id} in {db}")
 
 
 def make_npz(

@@ -17,7 +17,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.errors import ErrorCode
 from loaderd.client.protocol import HEADER, MAGIC, MsgType, decode
 from loaderd.storage.store import sample_key
-from tests.helpers import Daemon
+from tests.helpers import Daemon, damage_value_length
 
 pytestmark = pytest.mark.integration
 
@@ -196,3 +196,30 @@ def test_a_damaged_tree_page_names_the_sample_and_the_store(
             list(ds)  # each try fails the same way, and the read-ahead's log stays short
         log = d.log.read_text()
         assert log.count("read-ahead of pass") <= 1, "one traceback per kind of failure"
+
+
+@pytest.mark.parametrize("miss_procs", ["0", "2"])
+def test_a_record_running_past_the_file_is_refused_and_the_daemon_stays_up(
+    tmp_path: Path, miss_procs: str
+) -> None:
+    # A damaged leaf node whose value runs past data.mdb: LMDB hands it out unchecked and the
+    # first read of it is a SIGBUS, in the daemon or in a miss worker.
+    src = tmp_path / "big.npz"
+    rng = np.random.default_rng(0)
+    np.savez(src, blob=rng.integers(0, 256, (64, 20_000), np.uint8), label=np.arange(64))
+    db = tmp_path / "big.db"
+    assert loaderd("ingest", str(src), "--out", str(db)).returncode == 0
+    damage_value_length(db, 7)
+    with Daemon(db=db, state_dir=tmp_path / "state", extra=["--miss-procs", miss_procs]) as d:
+        for _ in range(2):  # each pass fails the same way: nothing was left half-read
+            ds = LoaderdDataset(d.address, job="p", batch_size=16)
+            with pytest.raises(RemoteError, match="sample 7: its leaf node says it runs past"):
+                list(ds)
+            ds.close()
+        ds = LoaderdDataset(d.address, job="p", batch_size=16)
+        stats = ds.stats()
+        assert stats["dataset"]["samples"] == 64  # the daemon serves on
+        assert stats["backing"]["corrupt"] >= 2
+        ds.close()
+        assert d.proc.poll() is None
+    assert "run past the end of the file" in d.log.read_text()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import subprocess
+import sys
 from itertools import pairwise
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, READ_UNIT, SampleSt
 from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
 from loaderd.storage.value_index import block_ranges, build_value_index
-from tests.helpers import evict, wait_until
+from tests.helpers import damage_value_length, evict, wait_until
 
 N = 200
 SIZES = (3_000, 40_000)  # a value sharing pages, and one with pages of its own
@@ -141,6 +143,35 @@ def test_value_index_of_a_damaged_file_is_none(tmp_path: Path) -> None:
     # A store claiming more samples than its tree holds has no index (ids would be missing).
     assert build_value_index(src / "data.mdb", b"samples", 21) is None
     assert build_value_index(src / "data.mdb", b"other", 20) is None
+
+
+def test_a_record_running_past_the_file_is_refused_before_lmdb_reads_it(tmp_path: Path) -> None:
+    db = make_store(tmp_path / "s.db", n=20)
+    damage_value_length(db, 3)  # odd ids are 40 KB: overflow pages of their own
+    index = build_value_index(db / "data.mdb", b"samples", 20)
+    assert index is not None, "one damaged node leaves the rest of the index"
+    assert index.damaged.tolist() == [3] and index.lengths[3] == 0
+    assert index.first_damaged(np.array([5, 3, 1])) == 3
+    assert index.first_damaged(np.array([5, 1])) is None
+    # Reading it through LMDB is a SIGBUS: the store must refuse it first (in a child, so
+    # that a regression fails this test rather than kills the run).
+    script = f"""
+import numpy as np
+from loaderd.storage.errors import CorruptRecordError
+from loaderd.storage.store import SampleStore
+with SampleStore({str(db)!r}) as store:
+    with store.views([2, 4, 5]) as views:
+        assert len(views) == 3
+    try:
+        with store.views([2, 3]):
+            pass
+    except CorruptRecordError as e:
+        print(e, store.corrupt)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sample 3" in done.stdout and "past the end of data.mdb" in done.stdout
+    assert done.stdout.split()[-1] == "1"  # counted as corrupt
 
 
 def test_ranges_cover_every_record_once_in_file_order(store_path: Path) -> None:
