@@ -25,18 +25,22 @@ from loaderd.storage.syscalls import address_of
 logger = logging.getLogger(__name__)
 
 
-def _keeping_gil() -> Callable[[int, int], int] | None:
+def _keeping_gil() -> Callable[[int, int, int], int] | None:
     try:
         lib = ctypes.PyDLL(xxhash._xxhash.__file__)
-        fn = lib.XXH3_64bits_dispatch
+        fn = lib.XXH3_64bits_withSeed_dispatch
     except (OSError, AttributeError):
         logger.info("xxHash's XXH3_64bits is not exported: records are hashed by python-xxhash")
         return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_uint64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
+    fn.restype = ctypes.c_uint64
     probe = np.arange(1000, dtype=np.uint8)
-    if fn(probe.ctypes.data, probe.nbytes) != xxhash.xxh3_64_intdigest(probe.tobytes()):
-        logger.info("xxHash's XXH3_64bits disagrees with python-xxhash: not used")
-        return None
+    for seed in (0, 12345):
+        if fn(probe.ctypes.data, probe.nbytes, seed) != xxhash.xxh3_64_intdigest(
+            probe.tobytes(), seed
+        ):
+            logger.info("xxHash's XXH3_64bits disagrees with python-xxhash: not used")
+            return None
     return fn
 
 
@@ -49,15 +53,15 @@ _XXH3 = _keeping_gil()
 _LETS_GO_ABOVE = 64 << 10
 
 
-def xxh3_64(data: bytes | memoryview) -> int:
-    """The xxh3-64 (seed 0) of ``data``, as ``xxhash.xxh3_64_intdigest``, the GIL held."""
+def xxh3_64(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
+    """The xxh3-64 of ``data`` with ``seed``, as ``xxhash.xxh3_64_intdigest``, the GIL held."""
     if _XXH3 is None or len(data) <= _LETS_GO_ABOVE:
-        return xxhash.xxh3_64_intdigest(data)
-    return int(_XXH3(address_of(memoryview(data)), len(data)))
+        return xxhash.xxh3_64_intdigest(data, seed)
+    return int(_XXH3(address_of(memoryview(data)), len(data), seed))
 
 
-def xxh3_64_all(data: Sequence[bytes | memoryview]) -> np.ndarray:
-    """``xxh3_64`` of each buffer, as uint64: one C call per buffer where all are small."""
+def xxh3_64_all(data: Sequence[bytes | memoryview], seeds: Sequence[int]) -> np.ndarray:
+    """``xxh3_64`` of each buffer with its seed, as uint64: one C call per buffer."""
     if max(map(len, data), default=0) <= _LETS_GO_ABOVE:
-        return np.fromiter(map(xxhash.xxh3_64_intdigest, data), np.uint64, len(data))
-    return np.fromiter(map(xxh3_64, data), np.uint64, len(data))
+        return np.fromiter(map(xxhash.xxh3_64_intdigest, data, seeds), np.uint64, len(data))
+    return np.fromiter(map(xxh3_64, data, seeds), np.uint64, len(data))

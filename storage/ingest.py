@@ -48,7 +48,7 @@ from loaderd.storage.readers import (
     open_feather_v1,
     open_huggingface,
 )
-from loaderd.storage.records import RECORD_HEADER, RECORD_VERSION, Schema, seal
+from loaderd.storage.records import RECORD_HEADER, RECORD_VERSION, STORED_VERSION, Schema, seal
 from loaderd.storage.store_writer import StoreWriter, discard_partial, read_partial
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ def _ingest_once(
                 dynamic_ncols=True,
             ) as bar:
                 for batch in src.batches_from(start):
-                    records = encoder.encode(batch)
+                    records = encoder.encode(batch, first_id=writer.next_id)
                     writer.append(records, dictionaries.growth())
                     bar.update(batch.rows)
                     bar.set_postfix_str(f"{writer.bytes / 2**20:,.1f} MiB", refresh=False)
@@ -529,8 +529,12 @@ class BatchEncoder:
         if end < layout.fixed_bytes:
             self._gaps.append((end, layout.fixed_bytes))
 
-    def encode(self, batch: ColumnBatch) -> list[bytes]:
+    def encode(self, batch: ColumnBatch, first_id: int | None = None) -> list[bytes]:
         """The batch's samples as checksummed records, in order.
+
+        With ``first_id``, as stored under ids ``first_id``, ``first_id + 1``, ...: each
+        checksum seeded with its id (``records.STORED_VERSION``), so that the store writer
+        writes them as they are.
 
         Raises:
             ValueError: a column does not match the schema (a reader bug, not a user error),
@@ -559,17 +563,20 @@ class BatchEncoder:
             at = head + self._lengths_at + _VARLEN.size * j
             buf[:, at : at + _VARLEN.size] = lengths.astype("<u4").view(np.uint8).reshape(n, -1)
         if parts:
-            return self._encode_variable(buf[:, head:], parts)
-        return self._encode_fixed(buf)
+            return self._encode_variable(buf[:, head:], parts, first_id)
+        return self._encode_fixed(buf, first_id)
 
-    def _encode_fixed(self, buf: np.ndarray[Any, np.dtype[np.uint8]]) -> list[bytes]:
+    def _encode_fixed(
+        self, buf: np.ndarray[Any, np.dtype[np.uint8]], first_id: int | None
+    ) -> list[bytes]:
         n, width = buf.shape
         head = RECORD_HEADER.size
-        digest = xxhash.xxh3_64_intdigest
         bodies = buf[:, head:]
-        sums = np.fromiter((digest(row) for row in bodies), np.uint64, n)
+        seeds = [0] * n if first_id is None else range(first_id, first_id + n)
+        sums = np.fromiter(map(xxhash.xxh3_64_intdigest, bodies, seeds), np.uint64, n)
+        version = RECORD_VERSION if first_id is None else STORED_VERSION
         header = np.zeros(n, np.dtype([("sum", "<u8"), ("len", "<u4"), ("ver", "<u4")]))
-        header["sum"], header["len"], header["ver"] = sums, width - head, RECORD_VERSION
+        header["sum"], header["len"], header["ver"] = sums, width - head, version
         buf[:, :head] = header.view(np.uint8).reshape(n, head)
         # One bytes object per record is what StoreWriter.append takes; this copy is most of
         # what encoding costs per sample (views into one blob would make it free).
@@ -579,8 +586,12 @@ class BatchEncoder:
         self,
         prefixes: np.ndarray[Any, np.dtype[np.uint8]],
         parts: list[Any],
+        first_id: int | None,
     ) -> list[bytes]:
         join = b"".join
+        rows = zip(prefixes, *parts, strict=True)
+        if first_id is None:
+            return [seal(join((prefix, *values))) for prefix, *values in rows]
         return [
-            seal(join((prefix, *values))) for prefix, *values in zip(prefixes, *parts, strict=True)
+            seal(join((prefix, *values)), first_id + i) for i, (prefix, *values) in enumerate(rows)
         ]

@@ -2,13 +2,20 @@
 
 Record layout (little endian)::
 
-    header  <QII   xxh3_64(body), len(body), RECORD_VERSION
+    header  <QII   xxh3_64(body, seed), len(body), version
     body    fixed-shape fields at 8-byte aligned offsets (C order), then one u32 length per
             variable-length field, then their bytes
 
 Fixed fields sit at offsets known from the schema alone, so batch assembly copies a field out
 of a record with one slice, without parsing. The checksum covers the whole body: a record that
 fails it is never served.
+
+Two versions, told apart by the header, both read. A record as encoded (``RECORD_VERSION``)
+hashes its body alone (seed 0). A record as stored (``STORED_VERSION``, made by ``stamp`` when
+``StoreWriter`` gives it its id) hashes it seeded with the sample id, so the checksum also
+names the sample: bytes of another record, reached through a damaged page number in LMDB's
+tree, fail it instead of being served, whole and valid, under the wrong id. Stores written
+before the stored version hold version 1 records and stay readable.
 """
 
 from __future__ import annotations
@@ -22,14 +29,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import xxhash
 
 from loaderd.storage.checksum import xxh3_64, xxh3_64_all
 from loaderd.storage.errors import CorruptRecordError
 
 RECORD_HEADER = struct.Struct("<QII")
 _HEADERS = np.dtype([("digest", "<u8"), ("length", "<u4"), ("version", "<u4")])
-RECORD_VERSION = 1
+RECORD_VERSION = 1  # as encoded: the checksum of the body alone
+STORED_VERSION = 2  # as stored: the checksum seeded with the sample id (``stamp``)
 _ALIGN = 8
 _VARLEN = struct.Struct("<I")
 VARIABLE_DTYPES = ("binary", "string")
@@ -353,13 +360,28 @@ class RecordCodec:
         return parts
 
 
-def seal(body: bytes | bytearray) -> bytes:
-    """Prefix a body with its checksum header."""
-    return RECORD_HEADER.pack(xxhash.xxh3_64_intdigest(body), len(body), RECORD_VERSION) + body
+def seal(body: bytes | bytearray | memoryview, sample_id: int | None = None) -> bytes:
+    """Prefix a body with its checksum header: as stored under ``sample_id`` if given."""
+    if sample_id is None:
+        return RECORD_HEADER.pack(xxh3_64(body), len(body), RECORD_VERSION) + body
+    return RECORD_HEADER.pack(xxh3_64(body, sample_id), len(body), STORED_VERSION) + body
+
+
+def stamp(record: bytes, sample_id: int) -> bytes:
+    """The record as stored under ``sample_id`` (``StoreWriter``, as it gives it its id).
+
+    A record the encoder sealed with its id already (``STORED_VERSION``) is taken at its
+    word, as it is: checking would hash it again. Any other is sealed anew (a copy).
+    """
+    if RECORD_HEADER.unpack_from(record)[2] == STORED_VERSION:
+        return record
+    return seal(memoryview(record)[RECORD_HEADER.size :], sample_id)
 
 
 def verify(record: bytes | memoryview, sample_id: int, where: str) -> memoryview:
     """Check a record's header and checksum and return a view of its body.
+
+    A stored record's checksum is seeded with its sample id: another sample's record fails.
 
     Raises:
         CorruptRecordError: naming the sample id and where the record came from.
@@ -369,9 +391,9 @@ def verify(record: bytes | memoryview, sample_id: int, where: str) -> memoryview
         raise CorruptRecordError(sample_id, where, f"record of {view.nbytes} bytes is truncated")
     digest, length, version = RECORD_HEADER.unpack_from(view)
     body = view[RECORD_HEADER.size :]
-    if version != RECORD_VERSION or length != body.nbytes:
+    if version not in (RECORD_VERSION, STORED_VERSION) or length != body.nbytes:
         raise CorruptRecordError(sample_id, where, "record header is damaged")
-    if xxh3_64(body) != digest:
+    if xxh3_64(body, sample_id if version == STORED_VERSION else 0) != digest:
         raise CorruptRecordError(sample_id, where)
     return body
 
@@ -397,9 +419,12 @@ def verify_all(
     headers = np.frombuffer(joined, _HEADERS)
     bodies = [v[head:] for v in views]
     lengths = np.fromiter(map(len, bodies), np.int64, n)
-    good = (headers["version"] == RECORD_VERSION) & (headers["length"] == lengths)
+    version = headers["version"]
+    stored = version == STORED_VERSION
+    good = (stored | (version == RECORD_VERSION)) & (headers["length"] == lengths)
     if good.all():
-        good = headers["digest"] == xxh3_64_all(bodies)
+        seeds = np.where(stored, np.asarray(ids, np.int64), 0).tolist()
+        good = headers["digest"] == xxh3_64_all(bodies, seeds)
         if good.all():
             return
     bad = int(np.argmin(good))

@@ -28,7 +28,7 @@ import lmdb
 import xxhash
 
 from loaderd.storage.errors import ResumeError, StoreFullError
-from loaderd.storage.records import Schema
+from loaderd.storage.records import RECORD_HEADER, STORED_VERSION, Schema, stamp
 from loaderd.storage.safe_files import fsync_dir
 from loaderd.storage.store import FORMAT_VERSION, META_DB, SAMPLES_DB, sample_key
 
@@ -86,6 +86,7 @@ class StoreWriter:
         self.count = 0
         self.bytes = 0
         self._fingerprint = _Fingerprint()
+        self._all_stamped = True  # every record written stamped with its id (not resumed)
         self._done = False
         self._pending: list[bytes] = []  # a resumable writer's batches not committed yet
         self._pending_extra: dict[bytes, bytes] = {}
@@ -143,6 +144,9 @@ class StoreWriter:
         if held != self.count:  # the progress key and the records commit together
             self.close_partial()
             raise ResumeError(f"{self.tmp}: {held} records but progress says {self.count}")
+        with self._env.begin(db=self._samples) as txn:
+            first = txn.get(sample_key(0))
+        self._all_stamped = first is None or (RECORD_HEADER.unpack_from(first)[2] == STORED_VERSION)
         logger.info("resuming %s at record %d", self.tmp, self.count)
 
     def _put_meta(self, items: dict[bytes, bytes]) -> None:
@@ -180,11 +184,14 @@ class StoreWriter:
         would double an ingest's time.
 
         Args:
-            records: the records, ids following the last ones.
+            records: the records, ids following the last ones (``next_id`` the first).
+                Each is stored with its checksum seeded with its id (``records.stamp``);
+                one the encoder sealed so already is written as it is.
             extra: metadata a resumed writer needs back (``partial_items``), written in the
                 same transaction as the records and dropped at ``commit``.
         """
-        batch = list(records)
+        first = self.next_id
+        batch = [stamp(rec, first + i) for i, rec in enumerate(records)]
         if not self.resumable:
             self._write(batch, {})
             return
@@ -194,6 +201,11 @@ class StoreWriter:
         due = time.monotonic() - self._committed_at >= self.COMMIT_SECONDS
         if due or self._pending_bytes >= self.COMMIT_BYTES:
             self.flush()
+
+    @property
+    def next_id(self) -> int:
+        """The id the next record appended gets (the batches not committed yet counted)."""
+        return self.count + len(self._pending)
 
     def flush(self) -> None:
         """Commit the batches a resumable writer has gathered (a no-op without any)."""
@@ -248,6 +260,9 @@ class StoreWriter:
             self.schema = schema
         info = {
             "format_version": FORMAT_VERSION,
+            # Every record's checksum names its sample (``records.stamp``); absent where a
+            # resumed ingest continued records an older writer stored without.
+            **({"record_version": STORED_VERSION} if self._all_stamped else {}),
             "samples": self.count,
             "bytes": self.bytes,
             "fingerprint": self._fingerprint.hexdigest(),

@@ -43,22 +43,36 @@ def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "c
         time.sleep(0.02)
 
 
+def _overflow_node(data: bytes | bytearray, sample_id: int, db: Path) -> int:
+    """Where the leaf node of a value kept in overflow pages starts in a data.mdb's bytes."""
+    key = sample_id.to_bytes(8, "big")
+    at = data.find(key)
+    while at >= 0:
+        _, _, flags, ksize = struct.unpack_from("<4H", data, at - 8)
+        if ksize == 8 and flags & 0x01:  # F_BIGDATA: the node of a value in overflow pages
+            return at - 8
+        at = data.find(key, at + 1)
+    raise AssertionError(f"no overflow node for sample {sample_id} in {db}")
+
+
 def damage_value_length(db: Path, sample_id: int) -> None:
     """Make the leaf node of a value kept in overflow pages say it runs 16 MiB past the file.
 
     The kind of damage LMDB does not check: its ``get`` returns the value as the node says.
     """
     data = bytearray((db / "data.mdb").read_bytes())
-    key = sample_id.to_bytes(8, "big")
-    at = data.find(key)
-    while at >= 0:
-        _, _, flags, ksize = struct.unpack_from("<4H", data, at - 8)
-        if ksize == 8 and flags & 0x01:  # F_BIGDATA: the node of a value in overflow pages
-            struct.pack_into("<H", data, at - 6, 0x0100)  # the length's high half: +16 MiB
-            (db / "data.mdb").write_bytes(data)
-            return
-        at = data.find(key, at + 1)
-    raise AssertionError(f"no overflow node for sample {sample_id} in {db}")
+    node = _overflow_node(data, sample_id, db)
+    struct.pack_into("<H", data, node + 2, 0x0100)  # the length's high half: +16 MiB
+    (db / "data.mdb").write_bytes(data)
+
+
+def point_value_at(db: Path, sample_id: int, other: int) -> None:
+    """Make a leaf node's overflow page number that of another sample's value (a bit flip
+    that lands on another record): LMDB then returns that record, whole, for this id."""
+    data = bytearray((db / "data.mdb").read_bytes())
+    mine, theirs = _overflow_node(data, sample_id, db), _overflow_node(data, other, db)
+    data[mine + 16 : mine + 24] = data[theirs + 16 : theirs + 24]
+    (db / "data.mdb").write_bytes(data)
 
 
 def make_npz(

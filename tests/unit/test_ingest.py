@@ -7,17 +7,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 
 from loaderd.storage import ingest as ingest_mod
 from loaderd.storage.errors import SourceError
 from loaderd.storage.ingest import BatchEncoder, IngestSummary, ingest
 from loaderd.storage.readers import ColumnBatch
-from loaderd.storage.records import Field, RecordCodec, Schema
+from loaderd.storage.records import RECORD_HEADER, STORED_VERSION, Field, RecordCodec, Schema, stamp
 from loaderd.storage.store import SampleStore
 from loaderd.storage.store_writer import StoreWriter
 
@@ -141,6 +143,18 @@ def test_parquet_file_round_trip(tmp_path: Path) -> None:
     check_rich(tmp_path / "db")
     info = SampleStore(tmp_path / "db").info
     assert info["source_kind"] == "parquet" and info["bytes"] == summary.bytes
+    # Every record's checksum names its sample: written stamped by the encoder (batch_rows
+    # 8, so ids carry on across batches), not sealed again by the writer.
+    assert info["record_version"] == STORED_VERSION
+    env = lmdb.open(str(tmp_path / "db"), readonly=True, lock=False, max_dbs=2)
+    with env.begin(db=env.open_db(b"samples", create=False)) as txn:
+        for key, rec in txn.cursor():
+            digest, _, version = RECORD_HEADER.unpack_from(rec)
+            assert version == STORED_VERSION
+            assert digest == xxhash.xxh3_64_intdigest(
+                rec[RECORD_HEADER.size :], int.from_bytes(key, "big")
+            )
+    env.close()
 
 
 def test_parquet_folder_keeps_file_order(tmp_path: Path) -> None:
@@ -341,6 +355,13 @@ def test_batch_encoder_matches_record_codec() -> None:
     got = BatchEncoder(fixed_only).encode(ColumnBatch(n, fixed=cols))
     assert got == [
         RecordCodec(fixed_only).encode({"a": cols["a"][i], "b": cols["b"][i]}) for i in range(n)
+    ]
+    # As stored from id 100 on: what the store writer would make of the encoded records.
+    assert BatchEncoder(schema).encode(batch, first_id=100) == [
+        stamp(r, 100 + i) for i, r in enumerate(want)
+    ]
+    assert BatchEncoder(fixed_only).encode(ColumnBatch(n, fixed=cols), first_id=100) == [
+        stamp(r, 100 + i) for i, r in enumerate(got)
     ]
 
 

@@ -17,13 +17,14 @@ from loaderd.planner import RankPlan, plan_pass
 from loaderd.readahead import ReadAhead
 from loaderd.storage import syscalls
 from loaderd.storage.dram import DramCache
+from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import ADVISE_GAP, PIN_MIN_BYTES, READ_UNIT, SampleStore
 from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
 from loaderd.storage.value_index import block_ranges, build_value_index
-from tests.helpers import damage_value_length, evict, wait_until
+from tests.helpers import damage_value_length, evict, point_value_at, wait_until
 
 N = 200
 SIZES = (3_000, 40_000)  # a value sharing pages, and one with pages of its own
@@ -172,6 +173,26 @@ with SampleStore({str(db)!r}) as store:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sample 3" in done.stdout and "past the end of data.mdb" in done.stdout
     assert done.stdout.split()[-1] == "1"  # counted as corrupt
+
+
+def test_another_samples_record_reached_through_a_damaged_leaf_is_refused(
+    tmp_path: Path,
+) -> None:
+    schema = Schema((Field("blob", "binary"), Field("label", "int64")))
+    codec, rng = RecordCodec(schema), np.random.default_rng(0)
+    db = tmp_path / "s.db"
+    with StoreWriter(db, schema) as w:  # records of one length, as images of one size
+        w.append(codec.encode({"blob": rng.bytes(40_000), "label": i}) for i in range(20))
+    with SampleStore(db) as store:
+        wanted = store.get(5)
+    point_value_at(db, 3, 5)  # LMDB now returns sample 5's record, whole and valid, for 3
+    with SampleStore(db) as store:
+        assert store.get(5) == wanted
+        for _ in range(2):  # through LMDB, then (confirmed) as a slice of the map
+            with pytest.raises(CorruptRecordError, match="sample 3: checksum mismatch"):
+                store.get(3)
+            assert store.value_index is not None
+        assert store.corrupt == 2
 
 
 def test_ranges_cover_every_record_once_in_file_order(store_path: Path) -> None:

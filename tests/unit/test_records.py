@@ -16,10 +16,12 @@ from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.records import (
     RECORD_HEADER,
     RECORD_VERSION,
+    STORED_VERSION,
     Field,
     RecordCodec,
     Schema,
     seal,
+    stamp,
     verify,
     verify_all,
 )
@@ -242,6 +244,7 @@ def test_checksum_of_any_size_matches_xxhash_and_catches_a_flipped_byte(size: in
     body = np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
     view = memoryview(b"pad" + body)[3:]  # a view at an odd address, as a store's record
     assert xxh3_64(view) == xxh3_64(body) == xxhash.xxh3_64_intdigest(body)
+    assert xxh3_64(view, 2**40 + 7) == xxhash.xxh3_64_intdigest(body, 2**40 + 7)
     record = bytearray(seal(body))
     assert bytes(verify(memoryview(bytes(record)), 5, "x")) == body
     if size:
@@ -282,7 +285,7 @@ def _damaged(how: str) -> bytes:
     if how == "bit":
         rec[-1] ^= 0x10
     elif how == "version":
-        rec[12] += 1
+        rec[12] += 2  # neither version
     elif how == "long":
         rec += b"\0"
     else:
@@ -308,6 +311,20 @@ def test_a_batch_names_the_first_damaged_record_as_one_by_one_would(how: str, at
     verify_all([], [], "store /x")
 
 
+@pytest.mark.parametrize("size", [10, 100_000])  # python-xxhash's own, then ours
+def test_a_stored_record_is_valid_only_under_its_own_id(size: int) -> None:
+    body = np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
+    stored = stamp(seal(body), 7)
+    assert RECORD_HEADER.unpack_from(stored)[2] == STORED_VERSION
+    assert bytes(verify(stored, 7, "x")) == body
+    with pytest.raises(CorruptRecordError, match="sample 8: checksum mismatch"):
+        verify(stored, 8, "x")  # another sample's bytes, whole and valid, are refused
+    other = stamp(seal(body[::-1]), 9)
+    verify_all([seal(body), stored, other], [3, 7, 9], "x")  # versions 1 and 2 side by side
+    with pytest.raises(CorruptRecordError, match="sample 9: checksum mismatch"):
+        verify_all([seal(body), stored, stored], [3, 7, 9], "x")
+
+
 def test_extended_record_is_refused() -> None:
     with pytest.raises(CorruptRecordError, match="header is damaged"):
         verify(SMALL_RECORD + b"\0", 5, "t")
@@ -316,7 +333,7 @@ def test_extended_record_is_refused() -> None:
 def test_wrong_version_is_refused_even_with_a_good_checksum() -> None:
     digest, length, _ = RECORD_HEADER.unpack_from(SMALL_RECORD)
     rec = (
-        RECORD_HEADER.pack(digest, length, RECORD_VERSION + 1) + SMALL_RECORD[RECORD_HEADER.size :]
+        RECORD_HEADER.pack(digest, length, STORED_VERSION + 1) + SMALL_RECORD[RECORD_HEADER.size :]
     )
     with pytest.raises(CorruptRecordError, match="header is damaged"):
         verify(rec, 5, "t")

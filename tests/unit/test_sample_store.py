@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loaderd.storage.errors import CorruptRecordError, NotAStoreError
-from loaderd.storage.records import Field, RecordCodec, Schema
+from loaderd.storage.records import Field, RecordCodec, Schema, stamp
 from loaderd.storage.store import FORMAT_VERSION, SampleStore, sample_key
 from loaderd.storage.store_writer import StoreWriter
 
@@ -23,11 +23,12 @@ def record(i: int) -> bytes:
 
 
 def write_store(path: Path, n: int, batch: int = 16) -> list[bytes]:
+    """Write records 0..n-1; returns them as stored (each stamped with its id)."""
     recs = [record(i) for i in range(n)]
     with StoreWriter(path, SCHEMA) as w:
         for lo in range(0, n, batch):
             w.append(recs[lo : lo + batch])
-    return recs
+    return [stamp(r, i) for i, r in enumerate(recs)]
 
 
 def siblings(path: Path) -> list[str]:
@@ -105,7 +106,7 @@ def test_map_grows_with_many_records(tmp_path: Path) -> None:
     with SampleStore(path) as s:
         assert s.num_samples == len(recs) == 3200
         ids = np.random.default_rng(0).permutation(len(recs))[:300]
-        assert s.get_many(ids) == [recs[i] for i in ids]
+        assert s.get_many(ids) == [stamp(recs[i], i) for i in ids]
 
 
 def test_keys_are_big_endian_so_scans_follow_id_order(tmp_path: Path) -> None:
@@ -191,7 +192,7 @@ def test_overwrite_replaces_the_store(tmp_path: Path) -> None:
     with StoreWriter(tmp_path / "s", SCHEMA, overwrite=True) as w:
         w.append([record(7)])
     with SampleStore(tmp_path / "s") as s:
-        assert s.num_samples == 1 and s.get(0) == record(7)
+        assert s.num_samples == 1 and s.get(0) == stamp(record(7), 0)
     assert siblings(tmp_path / "s") == ["s"]
 
 
