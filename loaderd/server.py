@@ -745,6 +745,8 @@ class Server:
                 "samples": self.store.num_samples,
                 "bytes": self.store.total_bytes,
                 "fields": [s.to_json() for s in self.schema],
+                # 2: each record's checksum names its sample (records.STORED_VERSION)
+                "record_version": int(self.store.info.get("record_version", 1)),
             },
             tiers=self.tiers.stats(),
             jobs={name: job.stats() for name, job in self.jobs.items()},

@@ -35,6 +35,12 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+_CHECKSUMS = {
+    1: "of the body alone (an older ingest: re-ingest to have them name each sample)",
+    2: "seeded with each sample's id",
+}
+
+
 def _rows(title: str, rows: list[tuple[str, str]]) -> list[str]:
     width = max(len(k) for k, _ in rows)
     return [title, *(f"  {k:<{width}}  {v}" for k, v in rows)]
@@ -53,6 +59,11 @@ def format_table(stats: dict[str, Any]) -> str:
             ("samples", f"{ds['samples']:,}"),
             ("bytes", human_bytes(ds["bytes"])),
             ("fields", fields),
+            *(
+                [("checksums", _CHECKSUMS.get(ds["record_version"], str(ds["record_version"])))]
+                if "record_version" in ds
+                else []
+            ),
         ],
     )
     for tier in stats.get("tiers", []):

@@ -219,6 +219,7 @@ def test_a_record_running_past_the_file_is_refused_and_the_daemon_stays_up(
         ds = LoaderdDataset(d.address, job="p", batch_size=16)
         stats = ds.stats()
         assert stats["dataset"]["samples"] == 64  # the daemon serves on
+        assert stats["dataset"]["record_version"] == 2  # its checksums name their samples
         assert stats["backing"]["corrupt"] >= 2
         ds.close()
         assert d.proc.poll() is None

@@ -49,6 +49,7 @@ def realistic_stats() -> dict[str, Any]:
                 {"name": "label", "dtype": "int64", "shape": []},
                 {"name": "caption", "dtype": "string", "shape": []},
             ],
+            "record_version": 2,
         },
         tiers={
             "cache": {k: v for k, v in dram.items() if k != "name"},
@@ -112,6 +113,7 @@ def test_format_table_contains_the_key_figures() -> None:
         "1,281,167",  # samples
         "150.0 GiB",  # dataset bytes
         "image:uint8(224, 224, 3), label:int64, caption:string",
+        "seeded with each sample's id",
         "tier dram",
         "2.0 GiB",  # capacity
         "1.5 GiB in 123,456 items",
@@ -137,6 +139,14 @@ def test_format_table_contains_the_key_figures() -> None:
     assert lines[0] == "dataset"
     assert "cache (all tiers)" in lines and "backing store" in lines
     assert "read-ahead" in lines and "miss workers" in lines
+
+
+def test_format_table_says_when_the_stores_checksums_do_not_name_their_samples() -> None:
+    stats = realistic_stats()
+    stats["dataset"]["record_version"] = 1
+    assert "of the body alone (an older ingest: re-ingest" in format_table(stats)
+    del stats["dataset"]["record_version"]  # a daemon of an earlier version
+    assert "checksums" not in format_table(stats)
 
 
 def test_format_table_says_how_misses_are_read_only_where_it_applies() -> None:
