@@ -36,9 +36,37 @@ class DaemonUnavailableError(LoaderdError, ConnectionError):
 
 
 class RemoteError(LoaderdError):
-    """The daemon answered a request with an ERROR reply."""
+    """The daemon answered a request with an ERROR reply.
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    Also made from its text alone: a ``DataLoader`` re-raises a worker's exception as its
+    type called with one message (the worker's traceback, ending in this error's line), and
+    falls back to a ``RuntimeError`` when that call fails. Then ``code`` and ``message`` are
+    read back from that last line, so ``except RemoteError`` and ``e.code`` work the same
+    with and without DataLoader workers.
+    """
+
+    def __init__(self, code: ErrorCode | str, message: str | None = None) -> None:
+        if message is None:  # the text of one, re-raised by a DataLoader
+            text = str(code)
+            self.code, self.message = _parse_remote(text)
+            super().__init__(text)
+            return
+        if not isinstance(code, ErrorCode):
+            raise TypeError(f"RemoteError: code {code!r} is not an ErrorCode")
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+def _parse_remote(text: str) -> tuple[ErrorCode, str]:
+    """(code, message) of the last ``RemoteError: CODE: message`` line in a traceback's text.
+
+    Raises:
+        TypeError: there is none (the caller then gets the DataLoader's RuntimeError).
+    """
+    for line in reversed(text.splitlines()):
+        _, sep, rest = line.partition("RemoteError: ")
+        name, colon, message = rest.partition(": ")
+        if sep and colon and name in ErrorCode.__members__:
+            return ErrorCode[name], message
+    raise TypeError("RemoteError needs an ErrorCode and a message")

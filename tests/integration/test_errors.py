@@ -101,6 +101,29 @@ def test_corrupt_record_names_the_sample_and_daemon_stays_up(
         assert ds.stats()["backing"]["corrupt"] >= 1  # counted where an operator looks
 
 
+def test_a_corrupt_record_reaches_a_trainer_with_workers_as_a_remote_error(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    import lmdb
+    from torch.utils.data import DataLoader
+
+    db = tmp_path / "corrupt.db"
+    shutil.copytree(dataset[0], db)
+    env = lmdb.open(str(db), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"samples")) as txn:
+        rec = bytearray(txn.get(sample_key(7)))
+        rec[-1] ^= 0xFF
+        txn.put(sample_key(7), bytes(rec))
+    env.close()
+    with Daemon(db=db, state_dir=tmp_path / "state") as d:
+        ds = LoaderdDataset(d.address, job="w", batch_size=16)
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        with pytest.raises(RemoteError, match="sample 7") as e:
+            list(loader)  # caught as the trainer would catch it without workers
+        assert e.value.code == ErrorCode.CORRUPT_RECORD
+        assert e.value.message.startswith("sample 7: checksum mismatch")
+
+
 def test_malformed_messages_get_error_replies_on_a_kept_connection(daemon: Daemon) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loaderd.client.errors import ErrorCode, ProtocolError
+from loaderd.client.errors import ErrorCode, ProtocolError, RemoteError
 from loaderd.client.protocol import (
     HEADER,
     MAGIC,
@@ -167,6 +167,22 @@ def test_decode_error_reads_unknown_codes_as_internal(code: Any) -> None:
 
 
 # ---------------------------------------------------------------- bad frames
+
+
+def test_a_remote_error_re_raised_by_a_dataloader_keeps_its_type_and_code() -> None:
+    from torch._utils import ExceptionWrapper  # what a DataLoader re-raises workers' errors with
+
+    try:
+        raise RemoteError(ErrorCode.CORRUPT_RECORD, "sample 7: checksum mismatch in store /x")
+    except RemoteError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
+    with pytest.raises(RemoteError) as got:
+        wrapped.reraise()
+    assert got.value.code == ErrorCode.CORRUPT_RECORD
+    assert got.value.message == "sample 7: checksum mismatch in store /x"
+    assert "worker process 1" in str(got.value)  # the worker's traceback is kept
+    with pytest.raises(TypeError):
+        RemoteError("a text without the error's line")  # a DataLoader then raises RuntimeError
 
 
 def test_too_few_frames() -> None:
