@@ -287,3 +287,30 @@ def test_a_resumable_writer_gathers_batches_and_keeps_them_on_ctrl_c(
     assert transactions == [24]  # the gathered batches were committed on the way out
     kept = read_partial(tmp_path / "b")
     assert kept is not None and kept["samples"] == 24
+
+
+def test_a_store_resumed_after_an_older_writer_does_not_claim_its_records_name_their_ids(
+    tmp_path: Path,
+) -> None:
+    from loaderd.storage.records import RECORD_HEADER, STORED_VERSION, Field, RecordCodec, Schema
+    from loaderd.storage.store import SampleStore, sample_key
+
+    schema = Schema((Field("x", "int64"),))
+    codec = RecordCodec(schema)
+    writer = StoreWriter(tmp_path / "db", schema, resumable={"a": 1})
+    writer.append([codec.encode({"x": i}) for i in range(10)])
+    writer.abort(keep=True)
+    # As a writer of before stamping left them: checksums of the body alone (version 1).
+    env = lmdb.open(str(partial_path(tmp_path / "db")), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"samples")) as txn:
+        for i in range(10):
+            txn.put(sample_key(i), codec.encode({"x": i}))
+    env.close()
+    writer = StoreWriter(tmp_path / "db", schema, resumable={"a": 1})
+    assert writer.resumed_at == 10
+    writer.append([codec.encode({"x": i}) for i in range(10, 20)])
+    writer.commit()
+    with SampleStore(tmp_path / "db") as store:
+        assert "record_version" not in store.info  # some records do not name their ids
+        versions = [RECORD_HEADER.unpack_from(r)[2] for r in store.get_many(range(20))]
+    assert versions == [1] * 10 + [STORED_VERSION] * 10  # and every one verified as read
