@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import count, repeat
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -589,9 +590,8 @@ class BatchEncoder:
         first_id: int | None,
     ) -> list[bytes]:
         join = b"".join
-        rows = zip(prefixes, *parts, strict=True)
-        if first_id is None:
-            return [seal(join((prefix, *values))) for prefix, *values in rows]
+        ids = repeat(None) if first_id is None else count(first_id)  # endless: strict=False
         return [
-            seal(join((prefix, *values)), first_id + i) for i, (prefix, *values) in enumerate(rows)
+            seal(join((prefix, *values)), sid)
+            for sid, (prefix, *values) in zip(ids, zip(prefixes, *parts, strict=True), strict=False)
         ]

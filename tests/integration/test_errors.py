@@ -78,20 +78,24 @@ def test_second_daemon_on_a_live_socket_refuses(daemon: Daemon, tmp_path: Path) 
     LoaderdDataset(daemon.address, job="still-up", batch_size=8).stats()  # the first one serves on
 
 
+def corrupt_copy(src: Path, db: Path, sample_id: int) -> Path:
+    """A copy of the store ``src`` at ``db`` with one byte of a record's body flipped."""
+    import lmdb
+
+    shutil.copytree(src, db)
+    env = lmdb.open(str(db), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"samples")) as txn:
+        rec = bytearray(txn.get(sample_key(sample_id)))
+        rec[-1] ^= 0xFF
+        txn.put(sample_key(sample_id), bytes(rec))
+    env.close()
+    return db
+
+
 def test_corrupt_record_names_the_sample_and_daemon_stays_up(
     dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
-    import lmdb
-
-    db = tmp_path / "corrupt.db"
-    shutil.copytree(dataset[0], db)
-    env = lmdb.open(str(db), max_dbs=2)
-    samples = env.open_db(b"samples")
-    with env.begin(write=True, db=samples) as txn:
-        rec = bytearray(txn.get(sample_key(7)))
-        rec[-1] ^= 0xFF
-        txn.put(sample_key(7), bytes(rec))
-    env.close()
+    db = corrupt_copy(dataset[0], tmp_path / "corrupt.db", 7)
     with Daemon(db=db, state_dir=tmp_path / "state") as d:
         ds = LoaderdDataset(d.address, job="c", batch_size=480)  # one batch holds sample 7
         with pytest.raises(RemoteError, match="sample 7") as e:
@@ -104,17 +108,9 @@ def test_corrupt_record_names_the_sample_and_daemon_stays_up(
 def test_a_corrupt_record_reaches_a_trainer_with_workers_as_a_remote_error(
     dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
-    import lmdb
     from torch.utils.data import DataLoader
 
-    db = tmp_path / "corrupt.db"
-    shutil.copytree(dataset[0], db)
-    env = lmdb.open(str(db), max_dbs=2)
-    with env.begin(write=True, db=env.open_db(b"samples")) as txn:
-        rec = bytearray(txn.get(sample_key(7)))
-        rec[-1] ^= 0xFF
-        txn.put(sample_key(7), bytes(rec))
-    env.close()
+    db = corrupt_copy(dataset[0], tmp_path / "corrupt.db", 7)
     with Daemon(db=db, state_dir=tmp_path / "state") as d:
         ds = LoaderdDataset(d.address, job="w", batch_size=16)
         loader = DataLoader(ds, batch_size=None, num_workers=2)
