@@ -42,20 +42,24 @@ class RemoteError(LoaderdError):
     type called with one message (the worker's traceback, ending in this error's line), and
     falls back to a ``RuntimeError`` when that call fails. Then ``code`` and ``message`` are
     read back from that last line, so ``except RemoteError`` and ``e.code`` work the same
-    with and without DataLoader workers.
+    with and without DataLoader workers. The class's own ``message`` makes the DataLoader pass
+    the text by keyword, in its ``raise`` statement: called positionally, it keeps the error
+    in a local of its re-raising frame, a cycle that keeps the finished iterator (and its
+    worker processes' handles) alive until a garbage collection, and the next epoch's forked
+    workers then complain as they collect it.
     """
 
-    def __init__(self, code: ErrorCode | str, message: str | None = None) -> None:
-        if message is None:  # the text of one, re-raised by a DataLoader
-            text = str(code)
+    message: str = "an ERROR reply from the daemon"  # each instance has its own
+
+    def __init__(self, code: ErrorCode | str | None = None, message: str | None = None) -> None:
+        if not isinstance(code, ErrorCode):  # the text of one, re-raised by a DataLoader
+            text = str(code if message is None else message)
             self.code, self.message = _parse_remote(text)
             super().__init__(text)
             return
-        if not isinstance(code, ErrorCode):
-            raise TypeError(f"RemoteError: code {code!r} is not an ErrorCode")
         super().__init__(f"{code.name}: {message}")
         self.code = code
-        self.message = message
+        self.message = str(message)
 
 
 def _parse_remote(text: str) -> tuple[ErrorCode, str]:

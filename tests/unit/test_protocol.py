@@ -181,6 +181,13 @@ def test_a_remote_error_re_raised_by_a_dataloader_keeps_its_type_and_code() -> N
     assert got.value.code == ErrorCode.CORRUPT_RECORD
     assert got.value.message == "sample 7: checksum mismatch in store /x"
     assert "worker process 1" in str(got.value)  # the worker's traceback is kept
+    # Raised with no reference to itself from its traceback's frames: no cycle keeps the
+    # DataLoader's iterator alive past the loop (its next epoch's workers would inherit it).
+    tb, frames = got.value.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    assert not any(v is got.value for f in frames for v in f.f_locals.values())
     with pytest.raises(TypeError):
         RemoteError("a text without the error's line")  # a DataLoader then raises RuntimeError
 
