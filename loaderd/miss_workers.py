@@ -251,7 +251,7 @@ class MissWorkers:
             return None
         # A cold batch's reads go out together (those of records a tier holds need none).
         store.advise_known(missing.tolist())
-        spans = store.confirmed_spans(ids)  # the worker slices these without LMDB's help
+        spans = store.sliceable_spans(ids)  # the worker slices these without LMDB's help
         try:
             worker.conn.send_bytes(
                 encode_task(blank.ring.name, blank.slot, ids, weights, self._rings(), spans)
@@ -446,7 +446,7 @@ def encode_task(
 ) -> bytes:
     """A batch for a worker: the slot of ``ring`` to fill, and the rings in use.
 
-    ``spans``: where each record lies in the file (``SampleStore.confirmed_spans``), if known.
+    ``spans``: where each record lies in the file (``SampleStore.sliceable_spans``), if known.
     """
     names = "\n".join([ring, *live]).encode()  # the daemon names its rings: no newline
     parts = [
@@ -520,8 +520,9 @@ def _fill(
 ) -> tuple[Any, ...]:
     """Read, verify and copy one batch into a slot; ("ok", sizes, offsets, lengths).
 
-    ``spans``: where LMDB returned each record before (``SampleStore.confirmed_spans``);
-    None: each is read through LMDB, and its offset found from where it lies in the map.
+    ``spans``: where each record lies in the file (``SampleStore.sliceable_spans``), each
+    slice verified against its sample's checksum; None: each is read through LMDB, and its
+    offset found from where it lies in the map.
     """
     with store.views(ids) if spans is None else store.views_at(ids, *spans) as records:
         sizes, parts = writer.measure(records)

@@ -8,11 +8,18 @@ index (``value_index.py``) already knows where each record lies in ``data.mdb``,
 starts at a known address, so a record can be a slice of one view of the whole map: no call
 into LMDB, the GIL kept.
 
-The index is a hint, read by our own walk of LMDB's pages, and the checksum does not name the
-sample: a wrong offset that landed on another record would pass it. So a record is sliced
-only once LMDB itself has returned it at that address and length (``confirm``, on its first
-read through ``get``); the first disagreement turns slicing off for good. The store is never
-written while it is served, so what LMDB said once holds.
+The index is a hint, read by our own walk of LMDB's pages. In a store whose checksums do not
+name their samples (written before record version 2), a wrong offset that landed on another
+record would pass its checksum. So a record is sliced only once LMDB itself has returned it at
+that address and length (``confirm``, on its first read through ``get``); the first
+disagreement turns slicing off for good. The store is never written while it is served, so
+what LMDB said once holds.
+
+Where every checksum is seeded with its sample's id (``trusted``), the checksum itself proves
+that a slice is the sample's record: a miss worker may slice a record the first time
+(``spans``), and one that fails is read again through LMDB by the daemon, whose ``confirm``
+then tells a wrong index from a damaged record. The daemon's own slices (``slices``) still
+wait for LMDB: its records are verified after the read, where a failure is an error.
 """
 
 from __future__ import annotations
@@ -40,20 +47,27 @@ class MapSlices:
         base: the address of the map's first byte (file offset 0).
         size: the map's length in bytes.
         index: each sample's offset and length in the file.
+        trusted: every record's checksum names its sample (record version 2): ``spans``
+            need no confirmation.
     """
 
-    def __init__(self, base: int, size: int, index: ValueIndex) -> None:
+    def __init__(self, base: int, size: int, index: ValueIndex, trusted: bool = False) -> None:
         self._map = map_view(base, size)
         self._base = base
         self._offsets = index.offsets
         self._ends = index.offsets + index.lengths.astype(np.int64)
         self._confirmed = np.zeros(len(index), bool)
+        # What a worker may slice: confirmed records, or, trusted, any record not damaged.
+        self._spannable = self._confirmed
+        if trusted:
+            self._spannable = np.ones(len(index), bool)
+            self._spannable[index.damaged] = False
         self.enabled = True
         self.sliced = 0  # records handed out as slices (a statistic: races may lose some)
 
     def slices(self, ids: np.ndarray) -> list[memoryview] | None:
         """Each record as a slice of the map; None unless every one is confirmed."""
-        if not self._all_confirmed(ids):
+        if not self._all(self._confirmed, ids):
             return None
         whole = self._map
         self.sliced += len(ids)
@@ -65,17 +79,18 @@ class MapSlices:
     def spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(file offsets, lengths) of the records; None unless every one is confirmed.
 
-        For another process's map of the same file (``SampleStore.views_at``).
+        For another process's map of the same file (``SampleStore.views_at``), which verifies
+        each record: in a ``trusted`` store any record that is not damaged will do.
         """
-        if not self._all_confirmed(ids):
+        if not self._all(self._spannable, ids):
             return None
         starts = self._offsets[ids]
         return starts, self._ends[ids] - starts
 
-    def _all_confirmed(self, ids: np.ndarray) -> bool:
-        if not self.enabled or not len(ids) or ids.min() < 0 or ids.max() >= len(self._confirmed):
+    def _all(self, mask: np.ndarray, ids: np.ndarray) -> bool:
+        if not self.enabled or not len(ids) or ids.min() < 0 or ids.max() >= len(mask):
             return False
-        return bool(self._confirmed[ids].all())
+        return bool(mask[ids].all())
 
     def confirm(self, sample_id: int, view: memoryview) -> None:
         """Compare LMDB's view of a record with the index: equal, it may be sliced from now on."""

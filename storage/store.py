@@ -33,7 +33,7 @@ from loaderd.storage.errors import CorruptRecordError, NotAStoreError
 from loaderd.storage.map_slices import MapSlices, map_view
 from loaderd.storage.pinning import PageLocks
 from loaderd.storage.prefault import Prefault
-from loaderd.storage.records import Schema, verify_all
+from loaderd.storage.records import STORED_VERSION, Schema, verify_all
 from loaderd.storage.residency import ResidencyProbe
 from loaderd.storage.syscalls import address_of, mapped_at, mlock_onfault, populate_read
 from loaderd.storage.value_index import ValueIndex, block_ranges, build_value_index
@@ -214,12 +214,13 @@ class SampleStore:
     def views_at(
         self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
     ) -> Iterator[list[memoryview]]:
-        """``views``, of records at the file offsets where LMDB returned them before.
+        """``views``, of records at file offsets the daemon's value index gave.
 
         A miss worker's map of data.mdb is its own: the daemon passes the offsets of records
-        LMDB has returned once (``confirmed_spans``), and the worker slices them from its
-        map as the daemon would, without a call into LMDB (2.5 us a 3 KB record, against
-        0.3 for a slice). Each record's checksum is verified. Where this process's map is
+        it may slice (``sliceable_spans``), and the worker slices them from its map as the
+        daemon would, without a call into LMDB (2.5 us a 3 KB record, against 0.3 for a
+        slice). Each record's checksum is verified: a failure is the daemon's to read again
+        through LMDB (``map_slices.py``). Where this process's map is
         not found, or a range lies past the file, the records are read through LMDB.
         """
         whole = self._whole_map
@@ -263,13 +264,14 @@ class SampleStore:
         index: ValueIndex | None = self.__dict__.get("value_index")
         if index is not None:
             return index.nbytes(ids)
-        spans = self.confirmed_spans(ids)
+        spans = self.sliceable_spans(ids)
         return None if spans is None else int(spans[1].sum())
 
-    def confirmed_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(file offsets, lengths) of records LMDB has returned once; None unless all have.
+    def sliceable_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(file offsets, lengths) of records a miss worker may slice (``views_at``), or None.
 
-        What a miss worker slices with ``views_at``.
+        Records LMDB has returned once, or, where every checksum names its sample (record
+        version 2), any record the value index found whole (``map_slices.py``).
         """
         slices = self._slices
         return None if slices is None else slices.spans(np.asarray(ids, np.int64))
@@ -329,7 +331,8 @@ class SampleStore:
         index = self.value_index
         if pages is None or index is None:
             return None
-        return MapSlices(pages.base, pages.size, index)
+        trusted = self.info.get("record_version") == STORED_VERSION
+        return MapSlices(pages.base, pages.size, index, trusted)
 
     # --- read-ahead -------------------------------------------------------------------------
 

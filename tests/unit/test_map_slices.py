@@ -1,20 +1,36 @@
-"""Records sliced from the store's map once LMDB has confirmed where each one lies."""
+"""Records sliced from the store's map once LMDB, or their checksum, showed where each lies."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 
 from loaderd.storage.errors import CorruptRecordError
-from loaderd.storage.store import SampleStore
+from loaderd.storage.store import META_DB, SampleStore
 from tests.unit.test_readahead import N, make_store
 
 
 @pytest.fixture(scope="module")
 def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_store(tmp_path_factory.mktemp("slices") / "s.db")
+
+
+@pytest.fixture(scope="module")
+def older_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store whose info does not say its checksums name their samples, as one written
+    before record version 2 (or resumed after such a writer)."""
+    path = make_store(tmp_path_factory.mktemp("older") / "s.db")
+    env = lmdb.open(str(path), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(META_DB)) as txn:
+        info = json.loads(txn.get(b"info"))
+        del info["record_version"]
+        txn.put(b"info", json.dumps(info).encode())
+    env.close()
+    return path
 
 
 def stored(path: Path) -> list[bytes]:
@@ -86,23 +102,23 @@ def test_offsets_another_process_saw_confirm_records_or_turn_slicing_off(
             assert [bytes(v) for v in views] == [want[i] for i in ids]
 
 
-def test_another_process_slices_records_at_the_offsets_lmdb_confirmed(store_path: Path) -> None:
+def test_another_process_slices_records_at_the_offsets_lmdb_confirmed(older_path: Path) -> None:
     """What a miss worker does with the offsets the daemon sends (``views_at``)."""
-    want = stored(store_path)
+    want = stored(older_path)
     ids = np.arange(40, 60)
-    with SampleStore(store_path) as daemon:
+    with SampleStore(older_path) as daemon:
         assert daemon.value_index is not None
-        assert daemon.confirmed_spans(ids) is None  # LMDB has not returned them yet
+        assert daemon.sliceable_spans(ids) is None  # LMDB has not returned them yet
         with daemon.views(ids[:-1]):
             pass
-        assert daemon.confirmed_spans(ids) is None  # nor the last one
+        assert daemon.sliceable_spans(ids) is None  # nor the last one
         with daemon.views(ids):
             pass
-        spans = daemon.confirmed_spans(ids[::-1])
+        spans = daemon.sliceable_spans(ids[::-1])
     assert spans is not None
     offsets, lengths = spans
     # The worker: a map of its own (LMDB opens a path once per process, so one after the other).
-    with SampleStore(store_path) as worker:
+    with SampleStore(older_path) as worker:
         with worker.views_at(ids[::-1], offsets, lengths) as views:
             assert [bytes(v) for v in views] == [want[i] for i in ids[::-1]]
         assert worker.reads == len(ids)
@@ -115,3 +131,45 @@ def test_another_process_slices_records_at_the_offsets_lmdb_confirmed(store_path
         past[0] = worker.file_bytes  # outside the file: read through LMDB instead
         with worker.views_at(ids[::-1], past, lengths) as views:
             assert [bytes(v) for v in views] == [want[i] for i in ids[::-1]]
+
+
+def test_a_worker_slices_records_whose_checksums_name_them_before_lmdb_returned_them(
+    store_path: Path,
+) -> None:
+    want = stored(store_path)
+    ids = np.arange(60, 80)[::-1]
+    with SampleStore(store_path) as daemon:
+        assert daemon.value_index is not None
+        spans = daemon.sliceable_spans(ids)  # no read through LMDB yet
+        assert spans is not None and daemon.reads == 0
+    with SampleStore(store_path) as worker, worker.views_at(ids, *spans) as views:
+        assert [bytes(v) for v in views] == [want[i] for i in ids]
+
+
+def test_a_wrong_index_fails_a_workers_checksum_and_the_daemons_lmdb_read_turns_it_off(
+    store_path: Path,
+) -> None:
+    want = stored(store_path)
+    ids = np.array([2, 4])
+
+    def daemon() -> SampleStore:
+        store = SampleStore(store_path)
+        index = store.value_index
+        assert index is not None
+        index.offsets[4] = index.offsets[2]  # as a walk of the B-tree gone wrong would say
+        index.lengths[4] = index.lengths[2]
+        return store
+
+    with daemon() as store:
+        spans = store.sliceable_spans(ids)
+    assert spans is not None
+    # The worker's slice for sample 4 is sample 2's record, whose checksum names sample 2.
+    # (LMDB opens a path once per process: the daemon and the worker one after the other.)
+    wrong = pytest.raises(CorruptRecordError, match="sample 4: ")
+    with SampleStore(store_path) as worker, wrong, worker.views_at(ids, *spans):
+        pass
+    # The daemon then reads the batch itself, through LMDB, which says where 4 lies.
+    with daemon() as store:
+        with store.views(ids) as views:
+            assert [bytes(v) for v in views] == [want[2], want[4]]
+        assert not store.sliceable and store.sliceable_spans(ids) is None

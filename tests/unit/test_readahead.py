@@ -163,6 +163,8 @@ from loaderd.storage.store import SampleStore
 with SampleStore({str(db)!r}) as store:
     with store.views([2, 4, 5]) as views:
         assert len(views) == 3
+    assert store.sliceable_spans(np.array([2, 4, 5])) is not None
+    assert store.sliceable_spans(np.array([2, 3])) is None  # nor is it sent to a worker
     try:
         with store.views([2, 3]):
             pass
