@@ -8,7 +8,8 @@ STAMP   := $(VENV)/.installed
 TYPES   := build/typecheck
 
 .PHONY: install demo test test-unit test-integration lint format typecheck bench \
-        bench-importance bench-cache bench-throughput bench-load bench-hybrid bench-autotune clean
+        bench-importance bench-cache bench-throughput bench-sizes bench-load bench-hybrid \
+        bench-autotune clean
 
 install: $(STAMP)
 
@@ -47,7 +48,8 @@ lint: install typecheck
 	$(BIN)/ruff format --check loaderd client storage tests benchmarks
 	$(BIN)/ruff check loaderd client storage tests benchmarks
 
-bench: bench-importance bench-cache bench-throughput bench-load bench-hybrid bench-autotune
+bench: bench-importance bench-cache bench-throughput bench-sizes bench-load bench-hybrid \
+       bench-autotune
 
 bench-importance: install
 	$(BIN)/python benchmarks/bench_importance.py
@@ -59,6 +61,10 @@ bench-throughput: install
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/pip install -q --no-deps -r benchmarks/requirements-streaming.txt
 	nice -n 19 $(BIN)/python benchmarks/bench_throughput.py
+
+bench-sizes: install
+	$(BIN)/pip install -q -e '.[bench]'
+	nice -n 19 $(BIN)/python benchmarks/bench_sizes.py
 
 bench-load: install
 	$(BIN)/python benchmarks/bench_load.py

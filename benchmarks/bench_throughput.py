@@ -276,7 +276,8 @@ class Context:
         stack.callback(self.stop_all)
 
     def serve(self, db: Path, dram: int, extra: Sequence[str] = ()) -> Served:
-        args = ["--shm-slots", str(self.args.shm_slots), *extra]
+        slots = self.args.shm_slots  # 0: the daemon sizes its rings itself
+        args = [*(["--shm-slots", str(slots)] if slots else []), *extra]
         srv = Served(db, self.log, dram, args)
         self.daemons.append(srv)
         return srv
