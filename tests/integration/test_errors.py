@@ -17,7 +17,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.errors import ErrorCode
 from loaderd.client.protocol import HEADER, MAGIC, MsgType, decode
 from loaderd.storage.store import sample_key
-from tests.helpers import Daemon, damage_value_length
+from tests.helpers import Daemon, damage_value_length, point_value_at
 
 pytestmark = pytest.mark.integration
 
@@ -217,17 +217,47 @@ def test_a_damaged_tree_page_names_the_sample_and_the_store(
         assert log.count("read-ahead of pass") <= 1, "one traceback per kind of failure"
 
 
+def big_store(tmp_path: Path) -> Path:
+    """A store of 64 records of 20 KB: each in overflow pages of its own."""
+    src = tmp_path / "big.npz"
+    rng = np.random.default_rng(0)
+    np.savez(src, blob=rng.integers(0, 256, (64, 20_000), np.uint8), label=np.arange(64))
+    db = tmp_path / "big.db"
+    assert loaderd("ingest", str(src), "--out", str(db)).returncode == 0
+    return db
+
+
+@pytest.mark.parametrize("miss_procs", ["0", "2"])
+def test_a_leaf_pointing_at_another_samples_record_is_refused_and_the_daemon_stays_up(
+    tmp_path: Path, miss_procs: str
+) -> None:
+    # LMDB and the value index both say sample 7 lies where sample 9 does: only the checksum,
+    # seeded with the id, tells. A miss worker slices it at the index's offset the first
+    # time, fails it, and the daemon's own read through LMDB reports it.
+    db = big_store(tmp_path)
+    point_value_at(db, 7, 9)
+    with Daemon(db=db, state_dir=tmp_path / "state", extra=["--miss-procs", miss_procs]) as d:
+        for _ in range(2):  # each pass fails the same way
+            ds = LoaderdDataset(d.address, job="p", batch_size=16)
+            delivered: list[int] = []
+            with pytest.raises(RemoteError, match="sample 7: checksum mismatch") as e:
+                for batch in ds:
+                    delivered += batch["id"].tolist()
+            assert e.value.code == ErrorCode.CORRUPT_RECORD
+            assert 7 not in delivered
+            ds.close()
+        ds = LoaderdDataset(d.address, job="p", batch_size=16)
+        assert ds.stats()["backing"]["corrupt"] >= 2 and d.proc.poll() is None  # serves on
+        ds.close()
+
+
 @pytest.mark.parametrize("miss_procs", ["0", "2"])
 def test_a_record_running_past_the_file_is_refused_and_the_daemon_stays_up(
     tmp_path: Path, miss_procs: str
 ) -> None:
     # A damaged leaf node whose value runs past data.mdb: LMDB hands it out unchecked and the
     # first read of it is a SIGBUS, in the daemon or in a miss worker.
-    src = tmp_path / "big.npz"
-    rng = np.random.default_rng(0)
-    np.savez(src, blob=rng.integers(0, 256, (64, 20_000), np.uint8), label=np.arange(64))
-    db = tmp_path / "big.db"
-    assert loaderd("ingest", str(src), "--out", str(db)).returncode == 0
+    db = big_store(tmp_path)
     damage_value_length(db, 7)
     with Daemon(db=db, state_dir=tmp_path / "state", extra=["--miss-procs", miss_procs]) as d:
         for _ in range(2):  # each pass fails the same way: nothing was left half-read
