@@ -6,7 +6,9 @@ so a later job with bigger batches gets its own ring instead of the socket) and 
 ``"shm": {"ring": name}`` in WELCOME. All rings together stay within ``ShmConfig.max_bytes``
 (``--shm-bytes``, 1 GiB by default) and a quarter of what /dev/shm has free: a job whose
 ring would not fit, however large its ``batch_size``, is answered without ``"shm"`` and
-served over the socket, its reason logged and kept in stats (``socket_jobs``).
+served over the socket, its reason logged and kept in stats (``socket_jobs``). A fixed slot
+count (``--shm-slots``) is a most: where the cap holds fewer (but at least 4, or the count
+asked for if smaller), the ring gets those and the log says so.
 
 The assembler writes the batches of a job with a ring straight into a slot
 (``allocator_for``: one copy, out of the cache or the store) and the BATCH carries a
@@ -67,6 +69,7 @@ from loaderd.config import ShmConfig
 from loaderd.consumers import Consumers
 from loaderd.prefetch import Batch, Placed
 from loaderd.shm_ring import LentRing, cleanup_stale
+from loaderd.stats import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -228,13 +231,22 @@ class ShmDelivery:
         slots = min(want, MAX_SLOTS, max(room, 0) // slot)
         while slots and _ring_bytes(slots, slot) > room:
             slots -= 1
-        if slots < (want if self.config.slots is not None else _MIN_SLOTS):
+        # Fewer slots than asked for still beat the socket, by far for large batches: a fixed
+        # --shm-slots is a most, down to what the automatic sizing would refuse.
+        least = min(want, _MIN_SLOTS)
+        if slots < least:
             return self._refuse(
                 job,
-                f"{max(slots, _MIN_SLOTS) if self.config.slots is None else want} slots of "
-                f"{slot} bytes (batch size {batch_size}) do not fit in the {max(left, 0)} bytes "
-                f"left of the shm cap ({self.config.max_bytes} bytes, --shm-bytes)",
+                f"{least} slots of {human_bytes(slot)} (batch size {batch_size}) do not fit "
+                f"in the {human_bytes(max(left, 0))} left of the shm cap "
+                f"({human_bytes(self.config.max_bytes)}, --shm-bytes)",
             )
+        if slots < want and self.config.slots is not None:
+            logger.warning(
+                "job %s gets a ring of %d slots of %s, not %d (--shm-slots): no more fit in "
+                "the %s left of the shm cap (--shm-bytes)",
+                job, slots, human_bytes(slot), want, human_bytes(max(left, 0)),
+            )  # fmt: skip
         try:
             ring = LentRing.create(slots, need)
         except (ShmError, ValueError) as e:

@@ -17,6 +17,7 @@ from loaderd.client.protocol import MsgType
 from loaderd.client.shm import SHM_DIR
 from loaderd.config import parse_size
 from loaderd.consumers import pid_namespace
+from loaderd.stats import human_bytes
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon, wait_until
 
@@ -152,6 +153,25 @@ def test_a_huge_batch_size_cannot_take_shm_past_the_cap(
         assert set(s["socket_jobs"]) == {"huge"}
         assert len(s["rings"]) == 2
         assert _ring_files_bytes(s) <= cap, "every ring's file together stays within the cap"
+
+
+def test_a_fixed_slot_count_the_cap_cannot_hold_gets_as_many_slots_as_fit(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    # 64 slots of ~200 KiB take ~13 MiB; the cap holds a few: shared memory with fewer slots,
+    # not the socket (several times slower for large batches).
+    extra = ["--shm-bytes", "2MiB", "--shm-slots", "64"]
+    with Daemon(db=dataset[0], state_dir=tmp_path / "state", extra=extra) as d:
+        shm, ids = _read_all(d.address, dataset[1], "wide", 1024)
+        assert shm["ring"] and sorted(ids) == list(range(N_SAMPLES))
+        s = shm_stats(d.address)
+        ring = s["rings"][0]
+        assert 4 <= ring["slots"] < 64 and not s["socket_jobs"]
+        assert s["delivered"] >= 1 and s["socket_fallbacks"] == 0
+        assert _ring_files_bytes(s) <= 2 << 20
+        assert (
+            f"slots of {human_bytes(ring['slot_bytes'])}, not 64 (--shm-slots)" in d.log.read_text()
+        )
 
 
 def _hello_ring(conn: Connection, job: str, batch_size: int, pid: int) -> dict[str, Any]:
