@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,3 +104,24 @@ def make_store(root: Path, n: int, sample_bytes: int) -> Path:
         while f.read(1 << 24):
             pass
     return db
+
+
+def write_results(
+    out: str | Path,
+    name: str,
+    info: dict[str, Any],
+    rows: list[dict[str, Any]],
+    markdown: Callable[[str], str],
+) -> None:
+    """``name``.json (machine, command, rows) and ``name``.md (``markdown(command)``) in ``out``.
+
+    The command is this script's, as it was run from the project's root.
+    """
+    script = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
+    command = f"python benchmarks/{script}"
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{name}.json").write_text(
+        json.dumps({"machine": info, "command": command, "results": rows}, indent=1) + "\n"
+    )
+    (path / f"{name}.md").write_text(markdown(command))

@@ -40,7 +40,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -52,7 +51,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from _timing import machine, make_store  # the script's folder is on sys.path
+from _timing import machine, make_store, write_results  # the script's folder is on sys.path
 
 HERE = Path(__file__).resolve().parent
 BATCH = 64
@@ -579,14 +578,7 @@ def main(args: argparse.Namespace) -> int:
         row = run_config(args, db, args.samples, delivery == "shm")
         rows.append(row)
         print(json.dumps(row), flush=True)
-    command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
-    command = f"python benchmarks/{command}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "load.json").write_text(
-        json.dumps({"machine": info, "command": command, "results": rows}, indent=1) + "\n"
-    )
-    (out / "load.md").write_text(markdown(rows, info, command, args.samples))
+    write_results(args.out, "load", info, rows, lambda cmd: markdown(rows, info, cmd, args.samples))
     bad = sum(r["errors"] + r["lost"] + r["duplicated"] + r["partial_duplicated"] for r in rows)
     bad += sum(r["foreign"] + len(r["delivery_problems"]) for r in rows)
     return 1 if bad else 0

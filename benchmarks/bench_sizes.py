@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import signal
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from _baselines import dataloader
-from _timing import machine, make_store  # the script's folder is on sys.path
+from _timing import machine, make_store, write_results  # the script's folder is on sys.path
 from bench_throughput import Context, one_trainer
 
 HERE = Path(__file__).resolve().parent
@@ -99,14 +98,7 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         ctx = Context(args, stack)
         rows = [bench_one(ctx, size, args.store_mb, args.epochs) for size in args.sizes]
-    command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
-    command = f"python benchmarks/{command}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sizes.json").write_text(
-        json.dumps({"machine": info, "command": command, "results": rows}, indent=1) + "\n"
-    )
-    (out / "sizes.md").write_text(markdown(rows, info, command))
+    write_results(args.out, "sizes", info, rows, lambda cmd: markdown(rows, info, cmd))
     return 0
 
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -55,7 +54,7 @@ from _baselines import (
     top_frames,
     write_mds,
 )
-from _timing import machine, make_store  # the script's folder is on sys.path
+from _timing import machine, make_store, write_results  # the script's folder is on sys.path
 
 HERE = Path(__file__).resolve().parent
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -528,14 +527,7 @@ def main(args: argparse.Namespace) -> int:
         for label in args.sizes:
             n, b = sizes[label]
             rows += bench_size(ctx, label, n, b)
-    command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
-    command = f"python benchmarks/{command}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(
-        json.dumps({"machine": info, "command": command, "results": rows}, indent=1) + "\n"
-    )
-    (out / "throughput.md").write_text(markdown(rows, info, command))
+    write_results(args.out, "throughput", info, rows, lambda cmd: markdown(rows, info, cmd))
     return 0
 
 
