@@ -77,10 +77,10 @@ class MapSlices:
         ]
 
     def spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(file offsets, lengths) of the records; None unless every one is confirmed.
+        """(file offsets, lengths) of the records; None unless another process may slice all.
 
         For another process's map of the same file (``SampleStore.views_at``), which verifies
-        each record: in a ``trusted`` store any record that is not damaged will do.
+        each record: confirmed records, or in a ``trusted`` store any that is not damaged.
         """
         if not self._all(self._spannable, ids):
             return None

@@ -220,8 +220,8 @@ class SampleStore:
         it may slice (``sliceable_spans``), and the worker slices them from its map as the
         daemon would, without a call into LMDB (2.5 us a 3 KB record, against 0.3 for a
         slice). Each record's checksum is verified: a failure is the daemon's to read again
-        through LMDB (``map_slices.py``). Where this process's map is
-        not found, or a range lies past the file, the records are read through LMDB.
+        through LMDB (``map_slices.py``). Where this process's map is not found, or a range
+        lies past the file, the records are read through LMDB.
         """
         whole = self._whole_map
         ends = offsets + lengths
