@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+from loaderd.storage.syscalls import msync
+
 logger = logging.getLogger(__name__)
 
 PMEM_SYNC: Final = "pmem-sync"
@@ -168,4 +170,4 @@ def flush_range(mm: mmap.mmap, start: int, end: int, durability: str) -> None:
     # cannot issue; msync on a DAX mapping makes the kernel flush those cache lines instead.
     page = mmap.PAGESIZE
     lo = start - start % page
-    mm.flush(lo, end - lo)
+    msync(mm, lo, end - lo)  # not mm.flush: that holds the GIL while the disk writes

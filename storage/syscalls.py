@@ -8,7 +8,8 @@ DRAM admission so slow that a store fitting in DRAM took three epochs to be all 
 now; a page reclaimed in between is read back with the GIL held, rare and only slower),
 ``munlock`` and ``mincore``. ``madvise(MADV_POPULATE_READ)`` waits for reads, so it lets go,
 and ``populate_read`` maps a batch's records with one call (one wait for the GIL, not one
-per record).
+per record). ``msync`` waits for the disk, so it lets go too (``mmap.flush`` holds the GIL
+for the whole write-back: every thread of the daemon stopped while the arena flushed).
 
 A record is locked with ``mlock2(MLOCK_ONFAULT)`` where the C library has it: the record was
 just read and checked, so its pages are mapped, and those are locked as ``mlock`` would; what
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -36,6 +38,9 @@ _mlock2 = getattr(_keeping, "mlock2", None)  # None: glibc before 2.27
 munlock = _keeping.munlock
 mincore = _keeping.mincore
 madvise = _releasing.madvise
+_msync = _releasing.msync
+_msync.argtypes, _msync.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+MS_SYNC = 4
 _mlock = _keeping.mlock
 for _f in (_mlock, munlock):
     _f.argtypes, _f.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
@@ -136,6 +141,24 @@ def mlock(address: int, length: int) -> int:
         if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL):  # a kernel before 4.4
             return -1
     return int(_mlock(address, length))
+
+
+def msync(mm: mmap.mmap, start: int, length: int) -> None:
+    """``msync(MS_SYNC)`` of a writable map's bytes ``[start, start + length)``.
+
+    ``start`` lies on a page. The GIL is let go while the kernel writes the pages back.
+
+    Raises:
+        OSError: the kernel refused (an I/O error writing back, say).
+    """
+    if length <= 0:
+        return
+    export = ctypes.c_char.from_buffer(mm, start)  # the address; released before the wait
+    addr = ctypes.addressof(export)
+    del export
+    if _msync(addr, length, MS_SYNC) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"msync: {os.strerror(err)}")
 
 
 def address_of(view: memoryview) -> int:

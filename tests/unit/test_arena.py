@@ -555,3 +555,21 @@ def test_crash_before_the_commit_leaves_the_previous_state(
     with Arena(path, SMALL, FP, snapshot_bytes=SNAP) as a:
         assert sorted(a.ids().tolist()) == [1] and a.get(1) == b"one"
         assert a.read_snapshot("j") == ("j", 1, b"snap one")
+
+
+def test_msync_writes_back_a_map_and_names_itself_when_refused(tmp_path: Path) -> None:
+    import errno
+    import mmap
+
+    from loaderd.storage.syscalls import msync
+
+    f = tmp_path / "m.bin"
+    f.write_bytes(bytes(2 * mmap.PAGESIZE))
+    with open(f, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
+        mm[10:15] = b"hello"
+        msync(mm, 0, 2 * mmap.PAGESIZE)  # lets go of the GIL while the disk writes
+        assert f.read_bytes()[10:15] == b"hello"
+        with pytest.raises(OSError, match="msync") as e:
+            msync(mm, 1, 10)  # not on a page
+        assert e.value.errno == errno.EINVAL
+        mm.close()  # nothing of the map is still exported
