@@ -94,7 +94,14 @@ class Arena:
         self._log_off = layout.log_off
         self._log_bytes = layout.log_bytes
         self._log_end = layout.log_end
+        # ``_lock`` guards the index and the ring, held to find room and to commit, never while
+        # payloads are copied or flushed: readers (``get``, ``lend``) do not wait on the disk.
+        # ``_write_lock`` keeps one writer at a time; the room it reserved is its own.
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)  # a lent record came back
+        self._lent: collections.Counter[int] = collections.Counter()  # record offset -> loans
+        self._closing = False  # a writer waiting on a loan gives up
         self._closed = False
         self._index: dict[int, tuple[int, int]] = {}  # sample id -> (offset, seq)
         # Records in ring order from the head: the front is the next one to be overwritten.
@@ -227,6 +234,11 @@ class Arena:
             raise StorageError(f"arena {self.path} is closed")
 
     def _evict_front(self, evict: bool, evicted: list[int]) -> None:
+        off = self._ring[0][0]
+        while self._lent[off]:  # another process reads it: not overwritten under its feet
+            if self._closing:
+                raise StorageError(f"arena {self.path} is closing")
+            self._returned.wait(1.0)
         off, extent, sample_id, seq = self._ring[0]
         assert seq < self._batch_seq, "a batch must never overwrite itself"
         if self._index.get(sample_id) == (off, seq):
@@ -291,8 +303,9 @@ class Arena:
                 records and ``evict`` is False.
         """
         evicted: list[int] = []
-        with self._lock:
-            self._check_open()
+        with self._write_lock:
+            with self._lock:
+                self._check_open()
             written: list[Rec] = []
             batch_bytes = 0
             self._batch_seq = self._seq
@@ -322,15 +335,17 @@ class Arena:
                 f"sample {sample_id} of {length} bytes does not fit in arena {self.path} "
                 f"(log of {self._log_bytes} bytes)"
             )
-        off = self._place(extent, evict, evicted)
-        seq = self._seq
-        self._seq += 1
+        with self._lock:  # room at the head: what lay there leaves the index first
+            off = self._place(extent, evict, evicted)
+            seq = self._seq
+            self._seq += 1
+            self._head = off + extent
+            self._ring.append((off, extent, sample_id, seq))
+            self._used += extent
+        # Not indexed until its commit: no reader looks here while it is written.
         header, hxh = pack_record_header(self._uid, seq, sample_id, payload)
         self._mm[off : off + len(header)] = header
         self._mm[off + REC_HEAD : off + REC_HEAD + length] = payload
-        self._head = off + extent
-        self._ring.append((off, extent, sample_id, seq))
-        self._used += extent
         return Rec(off, extent, seq, sample_id, length, 0, hxh)
 
     def _flush_records(self, recs: list[Rec]) -> None:
@@ -344,19 +359,22 @@ class Arena:
             dur.flush_range(self._mm, lo, hi, self.durability)
 
     def _commit(self, recs: list[Rec]) -> None:
-        if not recs:
+        if not recs or self._closed:  # closed while waiting for a loan: nothing is mapped
             return
         self._flush_records(recs)  # payloads first: a commit word must never precede them
-        for rec in recs:
-            commit_at = commit_offset(rec.off, rec.length)
-            CHECKSUM.pack_into(self._mm, commit_at, commit_word(rec.header_xxh))
-            old = self._index.get(rec.sample_id)
-            self._index[rec.sample_id] = (rec.off, rec.seq)
-            if old is not None and (prev := self._parse(old[0])) is not None:
-                # Revoke the replaced copy: a later discard must not bring it back on reopen.
-                self._revoke(old[0], prev.length)
+        with self._lock:
+            for rec in recs:
+                commit_at = commit_offset(rec.off, rec.length)
+                CHECKSUM.pack_into(self._mm, commit_at, commit_word(rec.header_xxh))
+                old = self._index.get(rec.sample_id)
+                self._index[rec.sample_id] = (rec.off, rec.seq)
+                if old is not None and (prev := self._parse(old[0])) is not None:
+                    # Revoke the replaced copy: a later discard must not bring it back on reopen.
+                    self._revoke(old[0], prev.length)
+            pending, self._pending = self._pending, set()
         self._flush_records(recs)
-        self._flush_pending()
+        for at in pending:
+            dur.flush_range(self._mm, at, at + 8, self.durability)
 
     def _revoke(self, off: int, length: int) -> None:
         """Zero a record's commit word so that recovery will not bring it back."""
@@ -404,6 +422,43 @@ class Arena:
             err = CorruptRecordError(sample_id, f"arena {self.path} at offset {off}")
             logger.warning("dropped a bad record: %s", err)
             return None
+
+    def lend(self, sample_ids: Iterable[int]) -> np.ndarray:
+        """Where these samples' payloads start in the file, kept whole until ``give_back``.
+
+        For another process that maps the file and copies the payloads itself (a miss
+        worker), knowing their lengths (a payload is its sample's record): until the offsets
+        are given back, the ring waits before it overwrites any of these records, and the
+        reader verifies each payload against its sample's checksum. -1 where a sample is not
+        here (the reader reads it another way); nothing of it is lent.
+        """
+        offs: list[int] = []
+        with self._lock:
+            self._check_open()
+            index, lent = self._index, self._lent
+            for sid in sample_ids:
+                loc = index.get(sid)
+                if loc is None:
+                    offs.append(-1 - REC_HEAD)
+                else:
+                    offs.append(loc[0])
+                    lent[loc[0]] += 1
+        return np.array(offs, np.int64) + REC_HEAD
+
+    def give_back(self, payload_offsets: np.ndarray) -> None:
+        """End a loan (``lend``): the ring may overwrite those records again."""
+        with self._lock:
+            for off in (payload_offsets[payload_offsets >= 0] - REC_HEAD).tolist():
+                self._lent[off] -= 1
+                if self._lent[off] <= 0:
+                    del self._lent[off]
+            self._returned.notify_all()
+
+    @property
+    def file_id(self) -> tuple[int, int]:
+        """The file's (device, inode): a reader that opens ``path`` checks it is this file."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
 
     def discard(self, sample_id: int) -> None:
         """Drop a sample from the arena (a no-op when it is absent).
@@ -480,9 +535,9 @@ class Arena:
         Returns:
             ``capacity_bytes``, ``used_bytes``, ``items``, ``hits``, ``misses``,
             ``evictions``, ``corrupt_dropped``, ``path``, ``durability``,
-            ``recovered_items``, ``recovery_dropped``, ``rebuilt``, ``file_bytes`` and
-            ``snapshot`` (None, or the newest snapshot's ``job``, ``step``, ``bytes`` and
-            ``max_bytes``).
+            ``recovered_items``, ``recovery_dropped``, ``rebuilt``, ``file_bytes``, ``lent``
+            (records lent to readers in other processes now) and ``snapshot`` (None, or the
+            newest snapshot's ``job``, ``step``, ``bytes`` and ``max_bytes``).
         """
         with self._lock:
             out: dict[str, object] = {
@@ -499,6 +554,7 @@ class Arena:
                 "recovery_dropped": self.recovery_dropped,
                 "rebuilt": self.rebuilt,
                 "file_bytes": self._layout.file_bytes,
+                "lent": sum(self._lent.values()),
             }
         out["snapshot"] = None if self._closed else self.snapshots.newest()
         return out
@@ -534,7 +590,10 @@ class Arena:
 
     def close(self) -> None:
         """Flush what is pending and release the file. Safe to call twice."""
-        with self._lock, self.snapshots.lock:
+        with self._lock:
+            self._closing = True
+            self._returned.notify_all()  # a writer waiting on a loan gives up
+        with self._write_lock, self._lock, self.snapshots.lock:
             if self._closed:
                 return
             self._closed = True

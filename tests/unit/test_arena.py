@@ -557,6 +557,66 @@ def test_crash_before_the_commit_leaves_the_previous_state(
         assert a.read_snapshot("j") == ("j", 1, b"snap one")
 
 
+def _full_ring(a: Arena, size: int) -> int:
+    """Fill the log with records of ``size`` bytes, ids 0.., without wrapping; their count."""
+    n = a.capacity_bytes // record_extent(size)
+    a.put_many((i, payload(i, size=size)) for i in range(n))
+    return n
+
+
+def test_a_lent_record_is_not_overwritten_until_it_is_given_back(path: Path) -> None:
+    with Arena(path, SMALL, FP) as a:
+        n = _full_ring(a, 1000)
+        offsets = a.lend([0, n + 5])  # the next to be overwritten, and one not here
+        assert offsets[1] == -1 and a.stats()["lent"] == 1
+        fd = os.open(path, os.O_RDONLY)
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                a.put_many((n + i, payload(n + i, size=1000)) for i in range(3))
+            except BaseException as e:
+                errors.append(e)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            writer.join(0.5)
+            assert writer.is_alive(), "the ring overwrote a record lent to a reader"
+            assert os.pread(fd, 1000, int(offsets[0])) == payload(0, size=1000)
+            assert a.get(5) == payload(5, size=1000)  # readers do not wait on the writer
+            a.give_back(offsets)
+            writer.join(10)
+            assert not writer.is_alive() and not errors
+        finally:
+            os.close(fd)
+        assert 0 not in a and a.get(n + 2) == payload(n + 2, size=1000)
+        assert a.stats()["lent"] == 0
+
+
+def test_closing_stops_a_writer_that_waits_on_a_loan(path: Path) -> None:
+    a = Arena(path, SMALL, FP)
+    n = _full_ring(a, 1000)
+    a.lend([0])
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            a.put(n, payload(n, size=1000))
+        except BaseException as e:
+            errors.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive()
+    a.close()  # returns: the writer gives up on the loan, nothing half-written is committed
+    writer.join(10)
+    assert not writer.is_alive() and isinstance(errors[0], StorageError)
+    with Arena(path, SMALL, FP) as again:
+        assert n not in again and again.get(0) == payload(0, size=1000)
+
+
 def test_msync_writes_back_a_map_and_names_itself_when_refused(tmp_path: Path) -> None:
     import errno
     import mmap
