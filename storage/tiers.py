@@ -102,7 +102,9 @@ class TierStack:
             store.lock_map()  # DRAM can hold it all: no lock per record (``lock_map``)
         self._lock = threading.Lock()
         self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
-        self._pending: dict[int, bytes] = {}  # queued for the arena, served from here
+        # Queued for the arena, served from here: bytes of their own, or views of the store's
+        # read-only map (valid while the store is open; the writer is stopped before it closes).
+        self._pending: dict[int, Record] = {}
         self._pending_bytes = 0
         self.skipped_writes = 0
         self.relocated = 0
@@ -376,7 +378,7 @@ class TierStack:
                 rec = have[sid]
                 if tier == DRAM:
                     self._put_dram(sid, rec, held.pop(sid, None) if held else None, late)
-                elif not self._queue_put(sid, bytes(rec)):
+                elif not self._queue_put(sid, rec):  # a view of the store stays valid: no copy
                     self.policy.forget(sid)
             elif kind == "drop":
                 if tier == DRAM:
@@ -394,7 +396,7 @@ class TierStack:
                 self._queue_discard(sid)
             else:  # demote
                 demoted = self.dram.discard(sid) or have.get(sid)
-                if demoted is None or not self._queue_put(sid, bytes(demoted)):
+                if demoted is None or not self._queue_put(sid, demoted):
                     self.policy.forget(sid)
         if late and self._admissions is not None:
             for sid in self._admissions.offer_many(late):
@@ -449,7 +451,7 @@ class TierStack:
 
     # ---- the arena writer ------------------------------------------------------------------
 
-    def _queue_put(self, sid: int, rec: bytes) -> bool:
+    def _queue_put(self, sid: int, rec: Record) -> bool:
         if self.arena is None or self._pending_bytes + len(rec) > _WRITE_QUEUE_BYTES:
             self.skipped_writes += 1
             return False
@@ -501,7 +503,7 @@ class TierStack:
     def _write(self, ops: list[tuple[str, Any, Any]]) -> None:
         arena = self.arena
         assert arena is not None
-        batch: list[tuple[int, bytes]] = []
+        batch: list[tuple[int, Record]] = []
         size = 0
         for kind, sid, arg in ops:
             if kind == "put":
@@ -521,7 +523,7 @@ class TierStack:
                 self.place(sid())
         self._put_batch(batch)
 
-    def _put_batch(self, batch: list[tuple[int, bytes]]) -> None:
+    def _put_batch(self, batch: list[tuple[int, Record]]) -> None:
         if not batch:
             return
         arena = self.arena
@@ -533,7 +535,7 @@ class TierStack:
             return
         need = sum(record_extent(len(r)) for _, r in batch)
         margin = record_extent(self.record_bytes) * 4
-        moving: dict[int, bytes] = {}
+        moving: dict[int, Record] = {}
         for _ in range(8):  # relocating records takes room too: look again, a few times
             extra = sum(record_extent(len(r)) for r in moving.values())
             with self._lock:
@@ -645,6 +647,9 @@ class TierStack:
             with self._wake:
                 self._wake.notify_all()
             self._writer.join(timeout=60)
+            if self._writer.is_alive():  # it may still copy from the store's map: keep it
+                logger.warning("the arena writer did not stop; the store is left open")
+                return
         if self.arena is not None:
             try:
                 self.arena.close()
