@@ -17,17 +17,24 @@ worker had to win the GIL back from the loop for every batch, a handover of the 
 context switch) each way; the loop only does work that is ready. Each worker holds up to
 ``PIPELINE`` batches, so that it finds the next one waiting when it finishes one.
 
+A batch with records in the NVRAM arena goes to a worker too: the daemon lends it those
+records (``Arena.lend``: the ring does not overwrite them until the worker has answered or is
+gone), and the worker copies them out of its own read-only map of the arena file, which it
+first checks is the daemon's (device and inode), verifying each against its sample's
+checksum. Those still queued for the arena it reads from the store: the same bytes.
+
 Everything else is assembled in the daemon as before, with the same bytes and the same
-errors: a batch for the socket, one with records in the NVRAM arena, one larger than its
-slot, one a worker failed on (a bad record is then reported by the daemon's own read), or a
-batch whose worker died (another is started; after ``_MAX_FAILED_STARTS`` failed starts in a
-row the pool turns itself off). Workers are forked by a process the daemon forks at its
-start (``Forker``), and exit when their socket to the daemon closes: none outlives it.
+errors: a batch for the socket, one larger than its slot, one a worker failed on (a bad
+record is then reported by the daemon's own read), or a batch whose worker died (another is
+started; after ``_MAX_FAILED_STARTS`` failed starts in a row the pool turns itself off).
+Workers are forked by a process the daemon forks at its start (``Forker``), and exit when
+their socket to the daemon closes: none outlives it.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import pickle
 import signal
@@ -46,7 +53,7 @@ from loaderd.client.shm import ShmRing, layout_bytes, slot_layout
 from loaderd.prefetch import Allocate, Batch, BatchWriter
 from loaderd.shm_delivery import BlankSlot, RingAllocator
 from loaderd.storage.store import SampleStore
-from loaderd.storage.tiers import TierStack
+from loaderd.storage.tiers import ArenaLoan, TierStack
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,7 @@ class Flight:
     worker: _Worker
     blank: BlankSlot
     ids: np.ndarray
+    loan: ArenaLoan | None = None  # its arena records, kept whole until the worker is done
 
     def fileno(self) -> int:
         """The worker's socket: readable once its answer is there (or it died)."""
@@ -176,6 +184,7 @@ class MissWorkers:
         self._closed = False
         self.batches = 0  # assembled by a worker
         self.sliced = 0  # of them, sent with their records' offsets (no LMDB lookup there)
+        self.from_arena = 0  # of them, sent with arena records lent to the worker
         self.fallbacks = 0  # given to a worker, assembled by the daemon after all
         self.started = 0  # worker processes started
         self.lost = 0  # worker processes that died or broke their socket
@@ -234,12 +243,15 @@ class MissWorkers:
         """
         if not isinstance(allocate, RingAllocator) or not self.enabled:
             return None
-        missing = self._tiers.readable_elsewhere(ids)
-        if missing is None or not len(missing):
-            return None  # records in the arena, or (since ``takes``) all in DRAM
+        readable = self._tiers.readable_elsewhere(ids)
+        if readable is None:
+            return None
+        missing, loan = readable
+        if not len(missing) and loan is None:
+            return None  # (since ``takes``) all in DRAM
         worker = self._take()
         if worker is None:
-            return None
+            return self._unlend(loan)
         # A batch known to be larger than the job's slots gets a larger ring's, or none:
         # a worker would read and verify it only to answer that it does not fit.
         store = self._tiers.store
@@ -248,25 +260,40 @@ class MissWorkers:
         blank = allocate.lend(least)
         if blank is None:
             self._give(worker)
-            return None
+            return self._unlend(loan)
         # A cold batch's reads go out together (those of records a tier holds need none).
         store.advise_known(missing.tolist())
         spans = store.sliceable_spans(ids)  # the worker slices these without LMDB's help
         try:
             worker.conn.send_bytes(
-                encode_task(blank.ring.name, blank.slot, ids, weights, self._rings(), spans)
+                encode_task(
+                    blank.ring.name,
+                    blank.slot,
+                    ids,
+                    weights,
+                    self._rings(),
+                    spans,
+                    arena_spans(loan),
+                )
             )
         except (EOFError, OSError):
             blank.release()
             self._lose(worker)
             self.fallbacks += 1
-            return None
+            return self._unlend(loan)
         except BaseException:
             blank.release()
             self._give(worker)
+            self._unlend(loan)
             raise
         self.sliced += spans is not None
-        return Flight(worker, blank, ids)
+        self.from_arena += loan is not None
+        return Flight(worker, blank, ids, loan)
+
+    @staticmethod
+    def _unlend(loan: ArenaLoan | None) -> None:
+        if loan is not None:
+            loan.release()
 
     def finish(self, flight: Flight) -> Batch | None:
         """The batch a worker assembled; None: assemble it here.
@@ -288,6 +315,8 @@ class MissWorkers:
             raise
         else:
             self._give(worker)
+        finally:
+            self._unlend(flight.loan)  # answered or gone: it reads no more of them
         if reply[0] != "ok":
             logger.debug("a miss worker did not assemble a batch: %s", reply[1])
             blank.release()
@@ -311,6 +340,7 @@ class MissWorkers:
         """Give up on a batch under way (the daemon is closing): its slot and its worker."""
         flight.blank.release()
         self._lose(flight.worker, quiet=True)
+        self._unlend(flight.loan)
 
     # --- the processes ------------------------------------------------------------------------
 
@@ -411,6 +441,7 @@ class MissWorkers:
             "lost": self.lost,
             "batches": self.batches,
             "sliced": self.sliced,
+            "from_arena": self.from_arena,
             "fallbacks": self.fallbacks,
         }
 
@@ -431,9 +462,13 @@ class MissWorkers:
 # Packed by hand: pickling a batch's numpy arrays took about 11 us a message each way, on the
 # server loop and in the worker, where this takes about one.
 
-_TASK = struct.Struct("<qqqq")  # slot, samples, bytes of the ring names, 1 with spans
+_TASK = struct.Struct("<qqqqq")  # slot, samples, bytes of the ring names, 1 with spans, arena
 _OK = struct.Struct("<qq")  # frames, samples; ``_OK_TAG`` before it, a pickle otherwise
 _OK_TAG = b"k"
+
+# A batch's arena records: "device:inode:path" of the arena file, payload offsets (-1: read
+# from the store) and lengths.
+ArenaSpans = tuple[str, np.ndarray, np.ndarray]
 
 
 def encode_task(
@@ -443,28 +478,49 @@ def encode_task(
     weights: np.ndarray,
     live: Iterable[str],
     spans: tuple[np.ndarray, np.ndarray] | None,
+    arena: ArenaSpans | None = None,
 ) -> bytes:
     """A batch for a worker: the slot of ``ring`` to fill, and the rings in use.
 
-    ``spans``: where each record lies in the file (``SampleStore.sliceable_spans``), if known.
+    ``spans``: where each record lies in the file (``SampleStore.sliceable_spans``), if known;
+    ``arena``: the records it copies from the arena file instead (``arena_spans``).
     """
     names = "\n".join([ring, *live]).encode()  # the daemon names its rings: no newline
+    key = b"" if arena is None else arena[0].encode()
     parts = [
-        _TASK.pack(slot, len(ids), len(names), spans is not None),
+        _TASK.pack(slot, len(ids), len(names), spans is not None, len(key)),
         names,
         np.asarray(ids, np.int64).tobytes(),
         np.asarray(weights, np.float32).tobytes(),
     ]
     if spans is not None:
         parts += [np.asarray(a, np.int64).tobytes() for a in spans]
+    if arena is not None:
+        parts += [key, *(np.asarray(a, np.int64).tobytes() for a in arena[1:])]
     return b"".join(parts)
+
+
+def arena_spans(loan: ArenaLoan | None) -> ArenaSpans | None:
+    """What a worker needs of a loan: the file (to check it maps the daemon's) and spans."""
+    if loan is None:
+        return None
+    dev, ino = loan.file_id
+    return f"{dev}:{ino}:{loan.path}", loan.offsets, loan.lengths
 
 
 def decode_task(
     raw: bytes,
-) -> tuple[str, int, np.ndarray, np.ndarray, list[str], tuple[np.ndarray, np.ndarray] | None]:
-    """(ring, slot, ids, weights, live rings, spans) from ``encode_task``'s bytes."""
-    slot, n, k, has_spans = _TASK.unpack_from(raw)
+) -> tuple[
+    str,
+    int,
+    np.ndarray,
+    np.ndarray,
+    list[str],
+    tuple[np.ndarray, np.ndarray] | None,
+    ArenaSpans | None,
+]:
+    """(ring, slot, ids, weights, live rings, spans, arena spans) from ``encode_task``."""
+    slot, n, k, has_spans, a = _TASK.unpack_from(raw)
     pos = _TASK.size
     ring, *live = raw[pos : pos + k].decode().split("\n")
     pos += k
@@ -474,7 +530,17 @@ def decode_task(
     spans = None
     if has_spans:
         spans = np.frombuffer(raw, np.int64, n, pos), np.frombuffer(raw, np.int64, n, pos + 8 * n)
-    return ring, slot, ids, weights, live, spans
+        pos += 16 * n
+    arena = None
+    if a:
+        key = raw[pos : pos + a].decode()
+        pos += a
+        arena = (
+            key,
+            np.frombuffer(raw, np.int64, n, pos),
+            np.frombuffer(raw, np.int64, n, pos + 8 * n),
+        )
+    return ring, slot, ids, weights, live, spans, arena
 
 
 def encode_reply(reply: tuple[Any, ...]) -> bytes:
@@ -517,26 +583,66 @@ def _fill(
     ids: np.ndarray,
     weights: np.ndarray,
     spans: tuple[np.ndarray, np.ndarray] | None,
+    arena: tuple[memoryview, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Any, ...]:
     """Read, verify and copy one batch into a slot; ("ok", sizes, offsets, lengths).
 
     ``spans``: where each record lies in the file (``SampleStore.sliceable_spans``), each
     slice verified against its sample's checksum; None: each is read through LMDB, and its
-    offset found from where it lies in the map.
+    offset found from where it lies in the map. ``arena``: this process's map of the arena
+    file, and where the records lent from it lie (offset -1: read from the store); each is
+    verified against its sample's checksum as well. The offset answered for those is -1.
     """
-    with store.views(ids) if spans is None else store.views_at(ids, *spans) as records:
+    here = np.ones(len(ids), bool) if arena is None else arena[1] < 0
+    mine = ids[here]
+    with (
+        store.views(mine) if spans is None else store.views_at(mine, spans[0][here], spans[1][here])
+    ) as from_store:
+        records = from_store if arena is None else _with_arena(store, ids, here, from_store, arena)
         sizes, parts = writer.measure(records)
         if layout_bytes(sizes) > ring.slot_bytes:
             return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
         frames = [ring.view(slot, off, n) for off, n in slot_layout(sizes)]
         writer.fill(ids, weights, records, parts, frames)
+        offsets = np.full(len(ids), -1, np.int64)
         if spans is not None:
-            return ("ok", sizes, *spans)
-        offsets = store.file_offsets(records)
-        if offsets is None:
-            offsets = np.full(len(ids), -1, np.int64)  # the daemon then reads them itself
+            offsets[here] = spans[0][here]
+        elif (found := store.file_offsets(from_store)) is not None:
+            offsets[here] = found  # else -1: the daemon then reads them itself
         lengths = np.fromiter((r.nbytes for r in records), np.int64, len(ids))
     return ("ok", sizes, offsets, lengths)
+
+
+def _with_arena(
+    store: SampleStore,
+    ids: np.ndarray,
+    here: np.ndarray,
+    from_store: list[memoryview],
+    arena: tuple[memoryview, np.ndarray, np.ndarray],
+) -> list[memoryview]:
+    """The batch's records in order: the store's, and the arena's, verified here."""
+    mapped, offsets, lengths = arena
+    lent = ~here
+    starts, ends = offsets[lent], offsets[lent] + lengths[lent]
+    if int(ends.max()) > len(mapped):
+        raise ValueError(f"an arena record ends at {int(ends.max())}, past its file")
+    from_arena = [mapped[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    store.verify(from_arena, ids[lent])
+    theirs, ours = iter(from_arena), iter(from_store)
+    return [next(theirs) if x else next(ours) for x in lent.tolist()]
+
+
+def _map_arena(key: str) -> memoryview:
+    """The daemon's arena file ("device:inode:path"), mapped read-only, checked to be it."""
+    dev, ino, path = key.split(":", 2)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (int(dev), int(ino)):
+            raise ValueError(f"{path} is no longer the daemon's arena")
+        return memoryview(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ))
+    finally:
+        os.close(fd)
 
 
 def serve(conn: Connection, store_path: str) -> None:
@@ -549,9 +655,10 @@ def serve(conn: Connection, store_path: str) -> None:
         return
     conn.send(("ready", os.getpid()))
     rings: dict[str, ShmRing] = {}
+    arenas: dict[str, memoryview] = {}  # one: the daemon's arena is the same for its life
     while True:
         try:
-            ring_name, slot, ids, weights, live, spans = decode_task(conn.recv_bytes())
+            ring_name, slot, ids, weights, live, spans, lent = decode_task(conn.recv_bytes())
         except (EOFError, OSError):
             break
         for name in [n for n in rings if n not in live]:
@@ -560,7 +667,14 @@ def serve(conn: Connection, store_path: str) -> None:
             ring = rings.get(ring_name)
             if ring is None:
                 ring = rings[ring_name] = ShmRing.attach(ring_name)
-            reply = _fill(store, writer, ring, slot, ids, weights, spans)
+            arena = None
+            if lent is not None:
+                key, offsets, lengths = lent
+                if key not in arenas:
+                    arenas.clear()
+                    arenas[key] = _map_arena(key)
+                arena = arenas[key], offsets, lengths
+            reply = _fill(store, writer, ring, slot, ids, weights, spans, arena)
         except Exception as e:
             reply = ("error", f"{type(e).__name__}: {e}")
         conn.send_bytes(encode_reply(reply))

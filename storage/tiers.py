@@ -24,6 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
@@ -46,6 +47,29 @@ _ADMIT_CHUNK: Final = 64  # late DRAM admissions put per turn at the lock
 
 Ranking = Callable[[], "np.ndarray | None"]
 Record = bytes | memoryview  # a record's bytes, or a view of them (valid during a read)
+
+
+@dataclass(slots=True)
+class ArenaLoan:
+    """A batch's arena records, lent to a reader in another process (``Arena.lend``).
+
+    ``offsets[i]`` is where sample i's payload lies in the arena file (-1: not in the arena,
+    read it from the store) and ``lengths[i]`` its record's length. The ring does not
+    overwrite these records until ``release``.
+    """
+
+    path: str
+    file_id: tuple[int, int]
+    offsets: np.ndarray
+    lengths: np.ndarray
+    _arena: Arena
+    _lent: np.ndarray | None = field(default=None)
+
+    def release(self) -> None:
+        """The reader is done (or gone): the records may be overwritten. Idempotent."""
+        lent, self._lent = self._lent, None
+        if lent is not None:
+            self._arena.give_back(lent)
 
 
 class TierStack:
@@ -183,21 +207,34 @@ class TierStack:
             self._account(keys, missing, got, found, verify=True)
             yield [got[sid] for sid in keys]
 
-    def readable_elsewhere(self, ids: np.ndarray) -> np.ndarray | None:
-        """The batch's ids no tier holds, if another process may read the batch; else None.
+    def readable_elsewhere(self, ids: np.ndarray) -> tuple[np.ndarray, ArenaLoan | None] | None:
+        """What another process needs to read this batch itself; None: it may not.
 
-        It may (``read_elsewhere``) when no record of it lies in the arena (its bytes are
-        there, maybe not in the store's pages) and the store can slice the records it reads
-        for DRAM, and map their pages (a lock of pages never mapped here would hold nothing).
-        One look at the tiers answers both: the ids returned are the ones to read ahead.
+        It may (``read_elsewhere``) when the store can slice the records it reads for DRAM
+        and map their pages (a lock of pages never mapped here would hold nothing). Its arena
+        records are lent to it (``Arena.lend``: not overwritten while it reads them); those
+        still queued for the arena it reads from the store, which holds the same bytes.
+        Returns the ids no tier holds (the ones to read ahead) and the loan, which the
+        caller releases once the reader is done.
         """
         if not (self.store.sliceable and self.store.prefaulting):
             return None
         with self._lock:
             where = self.policy.lookup_many(ids)
-        if self.arena is not None and bool((where == ARENA).any()):
+        in_arena = where == ARENA
+        if self.arena is None or not bool(in_arena.any()):
+            return ids[where < 0], None
+        # Those still queued for the arena (or lost from it) the reader reads from the store.
+        lent = self.arena.lend(ids[in_arena].tolist())
+        offsets = np.full(len(ids), -1, np.int64)
+        offsets[in_arena] = lent
+        lengths = self.store.record_bytes(ids)  # an arena payload is the store's record
+        if lengths is None:  # (no value index: then not ``sliceable`` either)
+            self.arena.give_back(lent)
             return None
-        return ids[where < 0]
+        arena = self.arena
+        loan = ArenaLoan(str(arena.path), arena.file_id, offsets, lengths, arena, lent)
+        return ids[where < 0], loan
 
     def read_elsewhere(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
         """Account for a batch that another process read from the store and verified.
@@ -594,6 +631,7 @@ class TierStack:
                     "recovery_dropped": a["recovery_dropped"],
                     "rebuilt": a["rebuilt"],
                     "file_bytes": a["file_bytes"],
+                    "lent": a["lent"],
                     "log_bytes": a["capacity_bytes"],
                     "log_used_bytes": a["used_bytes"],
                     "ring_evictions": a["evictions"],

@@ -45,7 +45,7 @@ def nvram(path: Path, size: str = "8MiB", *more: str) -> list[str]:
 
 def epoch(d: Daemon, arrays: dict[str, np.ndarray], job: str = "j", **kw: Any) -> int:
     """Read one pass; every sample's bytes must equal the source arrays."""
-    ds = LoaderdDataset(d.address, job=job, batch_size=32, shm=False, **kw)
+    ds = LoaderdDataset(d.address, job=job, batch_size=32, **{"shm": False, **kw})
     n = 0
     try:
         for b in ds:
@@ -167,6 +167,38 @@ def test_corrupt_arena_records_are_dropped_counted_and_read_from_the_store(
         s = stats(d)
         assert s["tiers"][1]["corrupt_dropped"] == 1 and s["cache"]["corrupt_dropped"] == 1
         assert s["backing"]["reads"] == 2
+    finally:
+        d.close()
+
+
+def test_miss_workers_copy_arena_records_and_a_bad_one_is_read_from_the_store(
+    big: Data, tmp_path: Path
+) -> None:
+    # Every record lives in the arena after the first pass (no DRAM): the workers copy the
+    # next passes from the arena file, lent to them, and verify each record themselves.
+    db, arrays = big
+    arena = tmp_path / "nv" / "loaderd.arena"
+    extra = [*nvram(tmp_path / "nv"), "--dram-bytes", "0", "--miss-procs", "2"]
+    d = Daemon(db=db, state_dir=tmp_path / "s", extra=extra)
+    try:
+        d.start()
+        assert epoch(d, arrays, shm=True) == N
+        wait_until(lambda: stats(d)["miss_workers"]["running"] == 2, what="miss workers")
+        settled(d, items=N)
+        assert epoch(d, arrays, shm=True) == N
+        s = stats(d)
+        workers, nv = s["miss_workers"], s["tiers"][1]
+        assert workers["from_arena"] > 0 and workers["fallbacks"] == 0
+        assert nv["hits"] == N
+        assert s["backing"]["reads"] == N  # the daemon read none of them again
+        # A record whose bytes change in the file: the worker's check fails it, the daemon
+        # reads the batch itself, drops the record from the arena and serves the store's.
+        flip_in_file(arena, arrays["image"][11].tobytes(), 5)
+        assert epoch(d, arrays, shm=True) == N
+        s = stats(d)
+        assert s["miss_workers"]["fallbacks"] >= 1
+        assert s["tiers"][1]["corrupt_dropped"] == 1 and s["backing"]["reads"] == N + 1
+        assert s["tiers"][1]["lent"] == 0  # every loan came back
     finally:
         d.close()
 

@@ -8,16 +8,24 @@ import pytest
 from loaderd.miss_workers import decode_reply, decode_task, encode_reply, encode_task
 
 
+@pytest.mark.parametrize("with_arena", [True, False])
 @pytest.mark.parametrize("with_spans", [True, False])
 @pytest.mark.parametrize("n", [0, 1, 64])
-def test_a_task_arrives_as_it_was_sent(with_spans: bool, n: int) -> None:
+def test_a_task_arrives_as_it_was_sent(with_spans: bool, with_arena: bool, n: int) -> None:
     rng = np.random.default_rng(n)
     ids = rng.integers(0, 2**40, n)
     weights = rng.random(n).astype(np.float32)
     spans = (rng.integers(0, 2**35, n), rng.integers(16, 2**20, n)) if with_spans else None
+    arena = None
+    if with_arena:
+        arena = (
+            "2049:1234:/mnt/pmem/a b:c.arena",
+            rng.integers(-1, 2**30, n),
+            rng.integers(0, 9, n),
+        )
     live = ["loaderd-ring-a", "loaderd-ring-b"]
-    raw = encode_task("loaderd-ring-b", 7, ids, weights, live, spans)
-    ring, slot, got_ids, got_weights, got_live, got_spans = decode_task(raw)
+    raw = encode_task("loaderd-ring-b", 7, ids, weights, live, spans, arena)
+    ring, slot, got_ids, got_weights, got_live, got_spans, got_arena = decode_task(raw)
     assert (ring, slot, got_live) == ("loaderd-ring-b", 7, live)
     np.testing.assert_array_equal(got_ids, ids)
     np.testing.assert_array_equal(got_weights, weights)
@@ -27,6 +35,12 @@ def test_a_task_arrives_as_it_was_sent(with_spans: bool, n: int) -> None:
         assert got_spans is not None
         np.testing.assert_array_equal(got_spans[0], spans[0])
         np.testing.assert_array_equal(got_spans[1], spans[1])
+    if arena is None:
+        assert got_arena is None
+    else:
+        assert got_arena is not None and got_arena[0] == arena[0]
+        np.testing.assert_array_equal(got_arena[1], arena[1])
+        np.testing.assert_array_equal(got_arena[2], arena[2])
     assert decode_task(encode_task("r", 0, ids, weights, [], spans))[4] == []
 
 
