@@ -14,7 +14,9 @@ In one run, on one LMDB store per sample size (100 KB and 3 KB, batch 64), this 
   empty), later epochs (hit); the warm miss again with DRAM holding copies rather than the
   store's locked pages (``--no-dram-lock-pages``: what a daemon that may not lock does); a
   store four times larger than ``--dram-bytes`` over three
-  epochs (the steady state of a run whose data does not fit); 1, 2 and 4 trainer processes.
+  epochs (the steady state of a run whose data does not fit), and the same with an NVRAM
+  arena holding what DRAM does not (a file on /dev/shm, the tier's stand-in where there is no
+  persistent memory); 1, 2 and 4 trainer processes.
 
 Each loaderd row is compared with the best DataLoader and the best Streaming configuration in
 the same state (cold with cold, warm with warm), and with its goal from issue 9. The daemon is
@@ -416,6 +418,25 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
         resident_after=round(big["resident_after"], 3),
         daemon_rss_mb=round(big["daemon_rss"] / 2**20),
         client_rss_mb=round(big["client_rss"] / 2**20),
+    )  # fmt: skip
+
+    # The same with the tier between: an arena file for what DRAM does not hold (twice the
+    # store: the policy fills 3/4 of the log, the snapshot slots take a quarter of the file).
+    shm = Path("/dev/shm")
+    nvram = Path(tempfile.mkdtemp(prefix="loaderd-bench-nvram-", dir=shm if shm.is_dir() else None))
+    try:
+        tiered = one_trainer(
+            db, ctx, store_bytes // 4, 3, cold=False, tag=f"{label}-nvram",
+            extra=["--nvram-dir", str(nvram), "--nvram-bytes", str(2 * store_bytes)],
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(nvram, ignore_errors=True)
+    compare(
+        "warm", "larger than DRAM", tiered["rates"][-1], tiered["profiles"][-1],
+        label=f"larger than DRAM, NVRAM arena in {nvram.parent}", cores=tiered["cores"][-1],
+        epochs=[round(r) for r in tiered["rates"]], dram_bytes=store_bytes // 4,
+        daemon_rss_mb=round(tiered["daemon_rss"] / 2**20),
+        client_rss_mb=round(tiered["client_rss"] / 2**20),
     )  # fmt: skip
 
     for t in args.trainers:
