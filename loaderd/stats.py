@@ -205,6 +205,7 @@ def _read_path_rows(ra: dict[str, Any] | None, workers: dict[str, Any] | None) -
                     f"{workers['batches']:,} (assembled by the daemon instead: "
                     f"{workers['fallbacks']:,})",
                 ),
+                ("from the arena", f"{workers.get('from_arena', 0):,} batches"),
             ],
         )
     return out

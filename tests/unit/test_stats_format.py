@@ -64,7 +64,14 @@ def realistic_stats() -> dict[str, Any]:
                 "advise_calls": 3_108,
                 "read_unit_bytes": 128 << 10,
             },
-            "miss_workers": {"procs": 2, "running": 2, "lost": 0, "batches": 1_537, "fallbacks": 3},
+            "miss_workers": {
+                "procs": 2,
+                "running": 2,
+                "lost": 0,
+                "batches": 1_537,
+                "fallbacks": 3,
+                "from_arena": 1_204,
+            },
         },
         jobs={
             "resnet": {
@@ -134,6 +141,7 @@ def test_format_table_contains_the_key_figures() -> None:
         "98,400 records in 3,108 calls (128.0 KiB blocks)",
         "2 of 2 (0 lost)",
         "1,537 (assembled by the daemon instead: 3)",
+        "1,204 batches",  # of them, with arena records the workers copied
     ]:
         assert expected in table, f"{expected!r} missing from:\n{table}"
     assert lines[0] == "dataset"
