@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
@@ -52,6 +53,7 @@ import numpy as np
 from loaderd.client.shm import ShmRing, layout_bytes, slot_layout
 from loaderd.prefetch import Allocate, Batch, BatchWriter
 from loaderd.shm_delivery import BlankSlot, RingAllocator
+from loaderd.storage.row_reads import MIN_BYTES
 from loaderd.storage.store import SampleStore
 from loaderd.storage.tiers import ArenaLoan, TierStack
 
@@ -184,6 +186,7 @@ class MissWorkers:
         self._closed = False
         self.batches = 0  # assembled by a worker
         self.sliced = 0  # of them, sent with their records' offsets (no LMDB lookup there)
+        self.read = 0  # of those, read from the file into their slot (``row_reads.py``)
         self.from_arena = 0  # of them, sent with arena records lent to the worker
         self.fallbacks = 0  # given to a worker, assembled by the daemon after all
         self.started = 0  # worker processes started
@@ -287,6 +290,7 @@ class MissWorkers:
             self._unlend(loan)
             raise
         self.sliced += spans is not None
+        self.read += loan is None and spans is not None and reads_rows(self._writer, spans[1])
         self.from_arena += loan is not None
         return Flight(worker, blank, ids, loan)
 
@@ -441,6 +445,7 @@ class MissWorkers:
             "lost": self.lost,
             "batches": self.batches,
             "sliced": self.sliced,
+            "read": self.read,
             "from_arena": self.from_arena,
             "fallbacks": self.fallbacks,
         }
@@ -593,6 +598,8 @@ def _fill(
     file, and where the records lent from it lie (offset -1: read from the store); each is
     verified against its sample's checksum as well. The offset answered for those is -1.
     """
+    if arena is None and spans is not None and reads_rows(writer, spans[1]):
+        return _fill_read(store, writer, ring, slot, ids, weights, spans)
     here = np.ones(len(ids), bool) if arena is None else arena[1] < 0
     mine = ids[here]
     with (
@@ -610,6 +617,30 @@ def _fill(
         elif (found := store.file_offsets(from_store)) is not None:
             offsets[here] = found  # else -1: the daemon then reads them itself
         lengths = np.fromiter((r.nbytes for r in records), np.int64, len(ids))
+    return ("ok", sizes, offsets, lengths)
+
+
+def reads_rows(writer: BatchWriter, lengths: np.ndarray) -> bool:
+    """Whether records of these lengths are read into their rows (``row_reads.py``)."""
+    return not writer.layout.variable and len(lengths) > 0 and int(lengths.min()) >= MIN_BYTES
+
+
+def _fill_read(
+    store: SampleStore,
+    writer: BatchWriter,
+    ring: ShmRing,
+    slot: int,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    spans: tuple[np.ndarray, np.ndarray],
+) -> tuple[Any, ...]:
+    """``_fill`` of large records of fixed fields: read from the file into the slot's rows."""
+    sizes = writer.frame_sizes(len(ids))
+    if layout_bytes(sizes) > ring.slot_bytes:
+        return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
+    frames = [ring.view(slot, off, n) for off, n in slot_layout(sizes)]
+    offsets, lengths = spans
+    writer.fill_read(ids, weights, frames, partial(store.read_rows, ids, offsets, lengths))
     return ("ok", sizes, offsets, lengths)
 
 

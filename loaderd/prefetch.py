@@ -177,7 +177,36 @@ class BatchWriter:
         frames: list[memoryview],
     ) -> None:
         """Copy ids, weights and each field of the records into the batch's frames."""
-        n = len(ids)
+        rows = self._start(ids, weights, parts, frames)
+        if len(ids):
+            gather_rows(records, rows)
+
+    def fill_read(
+        self,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        frames: list[memoryview],
+        read_rows: Callable[[list[tuple[memoryview, int, int]]], None],
+    ) -> None:
+        """``fill`` of a batch of fixed fields, whose rows ``read_rows`` writes.
+
+        The records are not in memory: ``read_rows`` reads them from the store's file
+        straight into the rows (``SampleStore.read_rows``), where ``fill`` copies them.
+        """
+        if self.layout.variable:
+            raise ValueError("a batch with variable-length fields is filled from its records")
+        rows = self._start(ids, weights, [], frames)
+        if len(ids):
+            read_rows(rows)
+
+    def _start(
+        self,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        parts: list[list[memoryview]],
+        frames: list[memoryview],
+    ) -> list[tuple[memoryview, int, int]]:
+        """Write ids, weights and the variable fields; where each fixed field's rows go."""
         np.frombuffer(frames[0], np.int64)[:] = ids
         np.frombuffer(frames[1], np.float32)[:] = weights
         slices = {s.name: s for s in self.layout.fixed}
@@ -196,8 +225,7 @@ class BatchWriter:
             for i, p in enumerate(parts):
                 data[int(offsets[i]) : int(offsets[i + 1])] = p[v]
             k, v = k + 2, v + 1
-        if n:
-            gather_rows(records, rows)
+        return rows
 
     def wrap(self, frames: list[memoryview], lease: Any = None) -> Batch:
         """The batch whose frames ``fill`` wrote: arrays that view them, no copy."""

@@ -205,6 +205,11 @@ def _read_path_rows(ra: dict[str, Any] | None, workers: dict[str, Any] | None) -
                     f"{workers['batches']:,} (assembled by the daemon instead: "
                     f"{workers['fallbacks']:,})",
                 ),
+                (
+                    "read how",
+                    f"{workers.get('read', 0):,} batches from the file into their slot, "
+                    f"{workers.get('sliced', 0) - workers.get('read', 0):,} from a map",
+                ),
                 ("from the arena", f"{workers.get('from_arena', 0):,} batches"),
             ],
         )

@@ -35,6 +35,7 @@ from loaderd.storage.pinning import PageLocks
 from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import STORED_VERSION, Schema, verify_all
 from loaderd.storage.residency import ResidencyProbe
+from loaderd.storage.row_reads import Rows, read_rows
 from loaderd.storage.syscalls import address_of, mapped_at, mlock_onfault, populate_read
 from loaderd.storage.value_index import ValueIndex, block_ranges, build_value_index
 
@@ -131,7 +132,7 @@ class SampleStore:
         self.reads = 0
         self.bytes_read = 0
         self.corrupt = 0  # reads refused: a record failed its checksum, or LMDB could not reach it
-        self._fd = -1  # data.mdb, for posix_fadvise (opened on first use)
+        self._fd = -1  # data.mdb, for posix_fadvise and preadv (opened on first use)
         self._fd_lock = threading.Lock()  # the read-ahead and assembly threads both advise
         self._psize = int(self._env.stat()["psize"])
         self._locks = PageLocks()
@@ -266,6 +267,25 @@ class SampleStore:
             return index.nbytes(ids)
         spans = self.sliceable_spans(ids)
         return None if spans is None else int(spans[1].sum())
+
+    def read_rows(
+        self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, rows: Rows
+    ) -> None:
+        """Records at file offsets the daemon gave (``sliceable_spans``), read into ``rows``.
+
+        ``preadv`` straight into the batch's rows, each record verified where it landed,
+        nothing mapped (``row_reads.py``): for records of ``row_reads.MIN_BYTES`` or more.
+
+        Raises:
+            CorruptRecordError: the first record that fails, naming its sample and this store.
+        """
+        try:
+            read_rows(self._data_fd(), ids, offsets, lengths, rows, f"store {self.path}")
+        except CorruptRecordError:
+            self.corrupt += 1
+            raise
+        self.reads += len(ids)
+        self.bytes_read += int(lengths.sum())
 
     def sliceable_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(file offsets, lengths) of records a miss worker may slice (``views_at``), or None.
@@ -656,15 +676,18 @@ class SampleStore:
         return len(pages)
 
     def _fadvise(self, starts: np.ndarray, lengths: np.ndarray) -> int:
-        fd = self._advise_fd()
+        fd = self._data_fd()
         for off, n in zip(starts.tolist(), lengths.tolist(), strict=True):
             os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
         return len(starts)
 
-    def _advise_fd(self) -> int:
+    def _data_fd(self) -> int:
         with self._fd_lock:
             if self._fd < 0:
                 self._fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
+                # A ``preadv`` through it reads the record's pages and no more: access is
+                # random, and the read-ahead advises what the plan will need.
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
             return self._fd
 
     def close(self) -> None:

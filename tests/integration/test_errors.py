@@ -217,24 +217,27 @@ def test_a_damaged_tree_page_names_the_sample_and_the_store(
         assert log.count("read-ahead of pass") <= 1, "one traceback per kind of failure"
 
 
-def big_store(tmp_path: Path) -> Path:
-    """A store of 64 records of 20 KB: each in overflow pages of its own."""
+def big_store(tmp_path: Path, record_bytes: int = 20_000) -> Path:
+    """A store of 64 records of 20 KB (or ``record_bytes``): each in overflow pages of its own."""
     src = tmp_path / "big.npz"
     rng = np.random.default_rng(0)
-    np.savez(src, blob=rng.integers(0, 256, (64, 20_000), np.uint8), label=np.arange(64))
+    np.savez(src, blob=rng.integers(0, 256, (64, record_bytes), np.uint8), label=np.arange(64))
     db = tmp_path / "big.db"
     assert loaderd("ingest", str(src), "--out", str(db)).returncode == 0
     return db
 
 
-@pytest.mark.parametrize("miss_procs", ["0", "2"])
+@pytest.mark.parametrize(
+    ("miss_procs", "record_bytes"), [("0", 20_000), ("2", 20_000), ("2", 70_000)]
+)
 def test_a_leaf_pointing_at_another_samples_record_is_refused_and_the_daemon_stays_up(
-    tmp_path: Path, miss_procs: str
+    tmp_path: Path, miss_procs: str, record_bytes: int
 ) -> None:
     # LMDB and the value index both say sample 7 lies where sample 9 does: only the checksum,
     # seeded with the id, tells. A miss worker slices it at the index's offset the first
-    # time, fails it, and the daemon's own read through LMDB reports it.
-    db = big_store(tmp_path)
+    # time (a record of 64 KiB or more: reads it into its slot), fails it, and the daemon's
+    # own read through LMDB reports it.
+    db = big_store(tmp_path, record_bytes)
     point_value_at(db, 7, 9)
     with Daemon(db=db, state_dir=tmp_path / "state", extra=["--miss-procs", miss_procs]) as d:
         for _ in range(2):  # each pass fails the same way

@@ -1,0 +1,150 @@
+"""storage/row_reads.py: records read with preadv straight into a batch's rows, verified there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaderd.prefetch import BatchWriter, fresh
+from loaderd.storage.errors import CorruptRecordError
+from loaderd.storage.records import RECORD_HEADER, Field, RecordCodec, Schema, seal, stamp
+from loaderd.storage.row_reads import read_rows
+from loaderd.storage.store import SampleStore
+from loaderd.storage.store_writer import StoreWriter
+
+# 12 bytes of coords are padded to 16 before the label: the rows skip 4 bytes of each record.
+SCHEMA = Schema(
+    (Field("image", "uint8", (20_000,)), Field("coords", "float32", (3,)), Field("label", "int64"))
+)
+CODEC = RecordCodec(SCHEMA)
+N = 12
+
+
+def sample(i: int) -> dict[str, np.ndarray | int]:
+    rng = np.random.default_rng(i)
+    return {
+        "image": rng.integers(0, 256, 20_000, dtype=np.uint8),
+        "coords": rng.random(3, dtype=np.float32),
+        "label": i * 11,
+    }
+
+
+def records_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Records 0..N-1 one after another, with a few bytes between them; (offsets, lengths).
+
+    Even ids are sealed as stored (seeded with the id), odd ones as an older writer did.
+    """
+    offsets, lengths, data = [], [], bytearray()
+    for i in range(N):
+        rec = CODEC.encode(sample(i))
+        rec = stamp(rec, i) if i % 2 == 0 else seal(memoryview(rec)[RECORD_HEADER.size :])
+        data += b"\xab" * 5
+        offsets.append(len(data))
+        lengths.append(len(rec))
+        data += rec
+    path.write_bytes(bytes(data))
+    return np.array(offsets, np.int64), np.array(lengths, np.int64)
+
+
+def read(
+    path: Path, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The batch's fixed fields, read with ``read_rows`` into fresh frames."""
+    writer = BatchWriter(SCHEMA)
+    frames = fresh(writer.frame_sizes(len(ids))).frames
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        writer.fill_read(
+            ids,
+            np.ones(len(ids), np.float32),
+            frames,
+            lambda rows: read_rows(fd, ids, offsets, lengths, rows, "test file"),
+        )
+    finally:
+        os.close(fd)
+    return dict(writer.wrap(frames).columns)  # type: ignore[arg-type]
+
+
+def test_each_field_lands_in_its_row(tmp_path: Path) -> None:
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    ids = np.array([5, 0, 11, 2, 2], np.int64)  # any order, a repeat, both record versions
+    cols = read(path, ids, offsets[ids], lengths[ids])
+    for row, i in enumerate(ids.tolist()):
+        want = sample(i)
+        np.testing.assert_array_equal(cols["image"][row], want["image"])
+        np.testing.assert_array_equal(cols["coords"][row], want["coords"])
+        assert int(cols["label"][row]) == want["label"]
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        (100, "checksum mismatch"),  # an image byte: it lands in a row
+        (RECORD_HEADER.size + 20_000 + 12 + 1, "checksum mismatch"),  # padding, in no row
+        (8, "record header is damaged"),  # the body length
+    ],
+)
+def test_a_damaged_record_fails_naming_its_sample(tmp_path: Path, where: int, message: str) -> None:
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    data = bytearray(path.read_bytes())
+    data[int(offsets[4]) + where] ^= 0x01
+    path.write_bytes(bytes(data))
+    ids = np.array([3, 4, 5], np.int64)
+    with pytest.raises(CorruptRecordError, match=f"sample 4: {message} in test file"):
+        read(path, ids, offsets[ids], lengths[ids])
+
+
+def test_another_samples_record_fails_its_checksum(tmp_path: Path) -> None:
+    # An offset that lands on sample 2's record, whole and valid: the checksum is seeded
+    # with the id asked for, so it is not served as sample 4.
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    ids = np.array([4], np.int64)
+    with pytest.raises(CorruptRecordError, match="sample 4: checksum mismatch"):
+        read(path, ids, offsets[[2]], lengths[[2]])
+
+
+def test_a_record_past_the_end_of_the_file_or_too_short_fails(tmp_path: Path) -> None:
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    ids = np.array([N - 1], np.int64)
+    with pytest.raises(CorruptRecordError, match=r"runs past the end of data\.mdb"):
+        read(path, ids, offsets[ids] + 100, lengths[ids])
+    with pytest.raises(CorruptRecordError, match="its fields need"):
+        read(path, ids, offsets[ids], lengths[ids] - 100)
+
+
+def test_a_batch_with_variable_fields_is_not_read_into_rows() -> None:
+    writer = BatchWriter(Schema((Field("image", "uint8", (4,)), Field("tag", "binary"))))
+    with pytest.raises(ValueError, match="variable-length"):
+        writer.fill_read(np.zeros(1, np.int64), np.ones(1, np.float32), [], lambda rows: None)
+
+
+def test_the_store_reads_rows_as_lmdb_returns_them(tmp_path: Path) -> None:
+    db = tmp_path / "store"
+    with StoreWriter(db, SCHEMA) as w:
+        w.append([CODEC.encode(sample(i)) for i in range(N)])
+    ids = np.array([9, 1, 6, 6, 0], np.int64)
+    writer = BatchWriter(SCHEMA)
+    with SampleStore(db) as store:
+        assert store.value_index is not None  # built by the daemon's read-ahead
+        offsets, lengths = store.sliceable_spans(ids) or (None, None)
+        assert offsets is not None and lengths is not None  # record version 2: trusted
+        got = fresh(writer.frame_sizes(len(ids))).frames
+        weights = np.linspace(0, 1, len(ids), dtype=np.float32)
+        rows: list[tuple[memoryview, int, int]] = []
+        writer.fill_read(ids, weights, got, rows.extend)
+        store.read_rows(ids, offsets, lengths, rows)
+        assert store.reads == len(ids) and store.bytes_read == int(lengths.sum())
+        want = fresh(writer.frame_sizes(len(ids))).frames
+        with store.views(ids) as records:
+            writer.fill(ids, weights, records, [], want)
+        assert [bytes(f) for f in got] == [bytes(f) for f in want]
+        with pytest.raises(CorruptRecordError, match=f"sample 9: checksum mismatch in store {db}"):
+            store.read_rows(ids[:1], offsets[1:2], lengths[1:2], rows)  # sample 1's record
+        assert store.corrupt == 1
