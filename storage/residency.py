@@ -66,17 +66,25 @@ class ResidencyProbe:
         return whole
 
     def _probe(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
-        for off, n in zip(starts.tolist(), lengths.tolist(), strict=True):
-            pages = -(-n // _PAGE)
-            if len(self._vec) < pages:
-                self._vec = np.zeros(pages, np.uint8)
-            if mincore(self.base + off, n, self._vec.ctypes.data) != 0:
+        """Whether every page of these ranges is in the page cache (``mincore``).
+
+        One vector for the whole batch, its address taken once and checked once at the end:
+        per range, only the system call. (A vector per range, its address and an ``all`` each,
+        cost 35 us a range, 2.2 ms a probe of 64 records of 100 KB, against 9 us for the
+        call.)
+        """
+        pages = -(-lengths // _PAGE)
+        total = int(pages.sum())
+        if len(self._vec) < total:
+            self._vec = np.zeros(total, np.uint8)
+        at = self._vec.ctypes.data
+        for off, n, count in zip(starts.tolist(), lengths.tolist(), pages.tolist(), strict=True):
+            if mincore(self.base + off, n, at) != 0:
                 self.enabled = False
                 logger.info(
                     "cannot ask which store pages are cached (mincore: %s): every batch is advised",
                     os.strerror(ctypes.get_errno()),
                 )
                 return False
-            if not np.all(self._vec[:pages] & 1):
-                return False
-        return True
+            at += count
+        return bool((self._vec[:total] & 1).all())

@@ -77,3 +77,31 @@ def test_a_cold_store_is_always_advised(store: Path) -> None:
 def test_probe_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="every"):
         ResidencyProbe(0, every=0)
+
+
+def test_one_evicted_range_among_cached_ones_is_seen(tmp_path: Path) -> None:
+    # The probe asks for every range of a batch into one vector: a range missing from the
+    # page cache between cached ones must be found, whatever the lengths before it.
+    path = tmp_path / "f"
+    page = mmap.PAGESIZE
+    path.write_bytes(os.urandom(64 * page))
+    starts = np.array([0, 10 * page, 30 * page, 50 * page])
+    lengths = np.array([3 * page + 5, 2 * page, 7 * page, 1])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written just now: dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a read takes its pages, no more
+        for i in (0, 1, 3):  # the third range stays out
+            assert os.preadv(fd, [bytearray(int(lengths[i]))], int(starts[i])) == lengths[i]
+        with mmap.mmap(fd, 64 * page, prot=mmap.PROT_READ) as m:
+            base = np.frombuffer(m, np.uint8).ctypes.data
+            probe = ResidencyProbe(base, every=1, trust=1)
+            if probe.resident(starts[2:3], lengths[2:3]):
+                pytest.skip("the page cache cannot be emptied here")
+            assert probe.resident(starts[[0, 1, 3]], lengths[[0, 1, 3]])
+            assert not probe.resident(starts, lengths)
+            assert not probe.resident(starts[2:], lengths[2:])
+            del base
+    finally:
+        os.close(fd)
