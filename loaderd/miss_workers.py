@@ -621,8 +621,14 @@ def _fill(
 
 
 def reads_rows(writer: BatchWriter, lengths: np.ndarray) -> bool:
-    """Whether records of these lengths are read into their rows (``row_reads.py``)."""
-    return not writer.layout.variable and len(lengths) > 0 and int(lengths.min()) >= MIN_BYTES
+    """Whether records of these lengths are read into their rows (``row_reads.py``).
+
+    Large records of a schema without variable-length fields, each as long as the schema
+    makes every record: one of another length is damaged (its leaf, or the index), and is
+    sliced as before, where its checksum reports it without a buffer sized by the damage.
+    """
+    size = writer.layout.record_bytes
+    return size is not None and size >= MIN_BYTES and bool(len(lengths) and (lengths == size).all())
 
 
 def _fill_read(

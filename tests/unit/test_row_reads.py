@@ -148,3 +148,20 @@ def test_the_store_reads_rows_as_lmdb_returns_them(tmp_path: Path) -> None:
         with pytest.raises(CorruptRecordError, match=f"sample 9: checksum mismatch in store {db}"):
             store.read_rows(ids[:1], offsets[1:2], lengths[1:2], rows)  # sample 1's record
         assert store.corrupt == 1
+
+
+def test_a_worker_reads_into_rows_only_large_records_of_their_schemas_length() -> None:
+    from loaderd.miss_workers import reads_rows
+
+    big = BatchWriter(Schema((Field("image", "uint8", (70_000,)), Field("label", "int64"))))
+    size = big.layout.record_bytes
+    assert size is not None
+    assert reads_rows(big, np.full(64, size))
+    # One of another length is damaged: sliced as before, where its checksum reports it,
+    # never a buffer sized by the damage.
+    assert not reads_rows(big, np.array([size, 1 << 30, size]))
+    assert not reads_rows(big, np.array([], np.int64))
+    small = BatchWriter(Schema((Field("image", "uint8", (20_000,)),)))
+    assert not reads_rows(small, np.full(4, small.layout.record_bytes or 0))
+    var = BatchWriter(Schema((Field("image", "uint8", (70_000,)), Field("tag", "binary"))))
+    assert not reads_rows(var, np.full(4, 70_100))
