@@ -599,7 +599,14 @@ def _fill(
     verified against its sample's checksum as well. The offset answered for those is -1.
     """
     if arena is None and spans is not None and reads_rows(writer, spans[1]):
-        return _fill_read(store, writer, ring, slot, ids, weights, spans)
+        # Large records of fixed fields: read from the file into the slot's rows.
+        sizes = writer.frame_sizes(len(ids))
+        frames = _slot_frames(ring, slot, sizes)
+        if frames is None:
+            return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
+        offsets, lengths = spans
+        writer.fill_read(ids, weights, frames, partial(store.read_rows, ids, offsets, lengths))
+        return ("ok", sizes, offsets, lengths)
     here = np.ones(len(ids), bool) if arena is None else arena[1] < 0
     mine = ids[here]
     with (
@@ -607,9 +614,9 @@ def _fill(
     ) as from_store:
         records = from_store if arena is None else _with_arena(store, ids, here, from_store, arena)
         sizes, parts = writer.measure(records)
-        if layout_bytes(sizes) > ring.slot_bytes:
+        frames = _slot_frames(ring, slot, sizes)
+        if frames is None:
             return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
-        frames = [ring.view(slot, off, n) for off, n in slot_layout(sizes)]
         writer.fill(ids, weights, records, parts, frames)
         offsets = np.full(len(ids), -1, np.int64)
         if spans is not None:
@@ -631,23 +638,11 @@ def reads_rows(writer: BatchWriter, lengths: np.ndarray) -> bool:
     return size is not None and size >= MIN_BYTES and bool(len(lengths) and (lengths == size).all())
 
 
-def _fill_read(
-    store: SampleStore,
-    writer: BatchWriter,
-    ring: ShmRing,
-    slot: int,
-    ids: np.ndarray,
-    weights: np.ndarray,
-    spans: tuple[np.ndarray, np.ndarray],
-) -> tuple[Any, ...]:
-    """``_fill`` of large records of fixed fields: read from the file into the slot's rows."""
-    sizes = writer.frame_sizes(len(ids))
+def _slot_frames(ring: ShmRing, slot: int, sizes: list[int]) -> list[memoryview] | None:
+    """The slot's frames for a batch of these frame sizes; None: it does not fit the slot."""
     if layout_bytes(sizes) > ring.slot_bytes:
-        return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
-    frames = [ring.view(slot, off, n) for off, n in slot_layout(sizes)]
-    offsets, lengths = spans
-    writer.fill_read(ids, weights, frames, partial(store.read_rows, ids, offsets, lengths))
-    return ("ok", sizes, offsets, lengths)
+        return None
+    return [ring.view(slot, off, n) for off, n in slot_layout(sizes)]
 
 
 def _with_arena(
