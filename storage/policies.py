@@ -203,6 +203,11 @@ class Policy:
         (``_fits_all``), they are admitted together.
         """
         tiers = self._fits_all(sample_ids, sizes)
+        if tiers and tiers.count(tiers[0]) == len(tiers):  # all to one tier, or none
+            if tiers[0] < 0:
+                return []
+            self._add_many(sample_ids, sizes, tiers[0])
+            return [("admit", sid, tiers[0]) for sid in sample_ids]
         if tiers is None:
             moves: list[Move] = []
             may = self._may_admit(sample_ids, sizes).tolist()
