@@ -599,10 +599,9 @@ class Server:
 
     def _prefetch_ahead(self, job: Job, rank: int, state: PassState) -> None:
         for index in islice(state.queue, self.prefetch_depth):
-            ids, weights = state.plan.batch(index)
-            self.prefetcher.submit(
-                BatchKey(job.spec.name, rank, state.epoch, state.phase, index), ids, weights
-            )
+            key = BatchKey(job.spec.name, rank, state.epoch, state.phase, index)
+            if self.prefetcher.get(key) is None:  # most of the window is under way already
+                self.prefetcher.submit(key, *state.plan.batch(index))
         head = state.queue[0] if state.queue else state.plan.num_batches
         self.readahead.follow((job.spec.name, rank, state.epoch, state.phase), state.plan, head)
 
