@@ -13,13 +13,16 @@ In one run, on one LMDB store per sample size (100 KB and 3 KB, batch 64), this 
   with the store evicted (cold), the first epoch with the page cache warm (warm miss: DRAM
   empty), later epochs (hit); the warm miss again with DRAM holding copies rather than the
   store's locked pages (``--no-dram-lock-pages``: what a daemon that may not lock does); a
-  store four times larger than ``--dram-bytes`` over three
-  epochs (the steady state of a run whose data does not fit), and the same with an NVRAM
-  arena holding what DRAM does not (a file on /dev/shm, the tier's stand-in where there is no
-  persistent memory); 1, 2 and 4 trainer processes.
+  store four times larger than ``--dram-bytes`` over ``--epochs`` + 1 epochs (the steady
+  state of a run whose data does not fit), and the same with an NVRAM arena holding what DRAM
+  does not (a file on /dev/shm, the tier's stand-in where there is no persistent memory); 1,
+  2 and 4 trainer processes.
 
 Each loaderd row is compared with the best DataLoader and the best Streaming configuration in
-the same state (cold with cold, warm with warm), and with its goal from issue 9. The daemon is
+the same state (cold with cold, warm with warm), and with its goal from issue 9. Like with
+like: a DataLoader's warm figure is the best of its epochs, so a row that is a fresh daemon's
+first epoch (cold, warm miss) is the best of ``--repeats`` fresh daemons, and a steady state
+(hit, larger than DRAM) the best epoch after the first (which fills the tiers). The daemon is
 profiled with py-spy (when installed) during every loaderd row; rows under their goal show
 where its time went. Writes ``results/throughput.json`` and ``results/throughput.md``.
 Every daemon, worker and temporary directory is removed at the end, also after a failure.
@@ -178,7 +181,13 @@ def one_trainer(
 
     held = ExitStack()
     if cold:
+        # A daemon stopped just before may leave its miss workers a moment, mapping pages
+        # that eviction then skips: evict again until the store is out.
+        deadline = time.monotonic() + 10
         evict([db / "data.mdb"])
+        while resident([db / "data.mdb"]) > 0.01 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            evict([db / "data.mdb"])
     else:
         held.enter_context(held_in_cache([db / "data.mdb"]))  # warm for the whole row
     left = resident([db / "data.mdb"])
@@ -378,41 +387,63 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
     row("disk bound (32 threads pread, cold), again before loaderd's cold epoch", again)
     disk_sps = max(disk_sps, again)
     epochs = max(2, args.epochs + 1)
-    cold = one_trainer(db, ctx, dram_all, epochs, cold=True, tag=f"{label}-cold")
+
+    def fresh(
+        tag: str, first_epochs: int, **kw: Any
+    ) -> tuple[dict[str, Any], list[int], dict[str, Any]]:
+        """The run of the fastest first epoch of ``--repeats`` fresh daemons, every run's
+        first epoch, and the first run (it runs ``first_epochs``, the others one).
+
+        A DataLoader's figure is the best of its epochs; a row that is one epoch of a fresh
+        daemon is held to it as the best of as many, not as a single draw of a noisy host.
+        """
+        runs = [
+            one_trainer(db, ctx, dram_all, first_epochs if i == 0 else 1, tag=f"{tag}{i}", **kw)
+            for i in range(args.repeats)
+        ]
+        best = max(runs, key=lambda r: r["rates"][0])
+        return best, [round(r["rates"][0]) for r in runs], runs[0]
+
+    def steady(run: dict[str, Any]) -> int:
+        """The best epoch after the first, which fills the tiers: a run's steady state."""
+        rates = run["rates"]
+        return 1 + rates[1:].index(max(rates[1:]))
+
+    cold, runs, hits = fresh(f"{label}-cold", epochs, cold=True)  # then hits, from DRAM
     mb = {
         "daemon_rss_mb": round(cold["daemon_rss"] / 2**20),
         "client_rss_mb": round(cold["client_rss"] / 2**20),
     }
     compare(
         "cold", "cold", cold["rates"][0], cold["profiles"][0], cores=cold["cores"][0],
-        resident_before=round(cold["resident_before"], 3), readahead=cold["readahead"], **mb,
+        resident_before=round(cold["resident_before"], 3), readahead=cold["readahead"],
+        runs=runs, **mb,
     )  # fmt: skip
-    hit = max(cold["rates"][1:])
-    best = cold["rates"].index(hit)
-    compare("warm", "hit", hit, cold["profiles"][best], cores=cold["cores"][best], **mb)
+    best = steady(hits)
+    compare("warm", "hit", hits["rates"][best], hits["profiles"][best], cores=hits["cores"][best],
+            epochs=[round(r) for r in hits["rates"]], **mb)  # fmt: skip
 
-    miss = one_trainer(db, ctx, dram_all, 1, cold=False, tag=f"{label}-warm")
+    miss, runs, _ = fresh(f"{label}-warm", 1, cold=False)
     compare(
         "warm", "warm miss", miss["rates"][0], miss["profiles"][0], cores=miss["cores"][0],
         resident_before=round(miss["resident_before"], 3),
-        resident_after=round(miss["resident_after"], 3), **mb,
+        resident_after=round(miss["resident_after"], 3), runs=runs, **mb,
     )  # fmt: skip
 
     # What a daemon that may not lock pages does (an ordinary user's RLIMIT_MEMLOCK): DRAM
     # holds copies, made off the GIL, and fills over more than one epoch.
-    copied = one_trainer(
-        db, ctx, dram_all, 2, cold=False, tag=f"{label}-copied", extra=["--no-dram-lock-pages"]
-    )
+    copied, runs, _ = fresh(f"{label}-copied", 2, cold=False, extra=["--no-dram-lock-pages"])
     compare(
         "warm", "warm miss", copied["rates"][0], copied["profiles"][0],
         label="warm miss, DRAM copies (pages not locked)", cores=copied["cores"][0],
-        epochs=[round(r) for r in copied["rates"]], **mb,
+        epochs=[round(r) for r in copied["rates"]], runs=runs, **mb,
     )  # fmt: skip
 
-    big = one_trainer(db, ctx, store_bytes // 4, 3, cold=False, tag=f"{label}-big")
+    big = one_trainer(db, ctx, store_bytes // 4, epochs, cold=False, tag=f"{label}-big")
+    best = steady(big)
     compare(
-        "warm", "larger than DRAM", big["rates"][-1], big["profiles"][-1],
-        cores=big["cores"][-1],
+        "warm", "larger than DRAM", big["rates"][best], big["profiles"][best],
+        cores=big["cores"][best],
         epochs=[round(r) for r in big["rates"]], dram_bytes=store_bytes // 4,
         resident_before=round(big["resident_before"], 3),
         resident_after=round(big["resident_after"], 3),
@@ -426,14 +457,15 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
     nvram = Path(tempfile.mkdtemp(prefix="loaderd-bench-nvram-", dir=shm if shm.is_dir() else None))
     try:
         tiered = one_trainer(
-            db, ctx, store_bytes // 4, 3, cold=False, tag=f"{label}-nvram",
+            db, ctx, store_bytes // 4, epochs, cold=False, tag=f"{label}-nvram",
             extra=["--nvram-dir", str(nvram), "--nvram-bytes", str(2 * store_bytes)],
         )  # fmt: skip
     finally:
         shutil.rmtree(nvram, ignore_errors=True)
+    best = steady(tiered)
     compare(
-        "warm", "larger than DRAM", tiered["rates"][-1], tiered["profiles"][-1],
-        label=f"larger than DRAM, NVRAM arena in {nvram.parent}", cores=tiered["cores"][-1],
+        "warm", "larger than DRAM", tiered["rates"][best], tiered["profiles"][best],
+        label=f"larger than DRAM, NVRAM arena in {nvram.parent}", cores=tiered["cores"][best],
         epochs=[round(r) for r in tiered["rates"]], dram_bytes=store_bytes // 4,
         daemon_rss_mb=round(tiered["daemon_rss"] / 2**20),
         client_rss_mb=round(tiered["client_rss"] / 2**20),
@@ -464,7 +496,10 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
         "",
         f"Command: `{command}`",
         "",
-        f"Batch size {BATCH}; samples/s timed from each epoch's first batch. GB/s counts the "
+        f"Batch size {BATCH}; samples/s timed from each epoch's first batch. A row that is "
+        "a fresh daemon's first epoch (cold, warm miss) is the best of several fresh daemons, "
+        "as a DataLoader's is the best of its epochs; a steady state (hit, larger than DRAM) "
+        "is the best epoch after the first. GB/s counts the "
         "image and label bytes delivered. Cold: the store's pages evicted from the page cache "
         "(posix_fadvise DONTNEED) before the epoch ('resident' says what was left). Warm: "
         "the files read and held in the page cache by a helper process that locks them, "
@@ -498,6 +533,8 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
         for r in sub:
             if r.get("epochs"):
                 out.append(f"{r['config']}: epochs {r['epochs']} samples/s.")
+            if r.get("runs"):
+                out.append(f"{r['config']}: first epochs of fresh daemons {r['runs']} samples/s.")
             if r.get("resident_after") is not None:
                 out.append(
                     f"{r['config']}: store {r['resident_before']:.0%} in the page cache "
@@ -558,6 +595,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-100k", type=int, default=4000, help="samples of 100 KB (issue: 20000)")
     p.add_argument("--n-3k", type=int, default=40000, help="samples of 3 KB (issue: 200000)")
     p.add_argument("--epochs", type=int, default=4, help="warm epochs; the best counts")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="fresh daemons a first-epoch row takes the best of"
+    )
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2, 8])
     p.add_argument("--trainers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--shm-slots", type=int, default=64)
