@@ -163,9 +163,7 @@ class DramCache:
         Returns:
             The ids not admitted (too large for the tier; let go as ``put`` does).
         """
-        records = [rec for rec, _ in held.values()]
-        unpins = [unpin for _, unpin in held.values()]
-        size = sum(map(len, records))
+        size = sum(len(rec) for rec, _ in held.values())
         items = self._items
         with self._lock:
             whole = size <= self.capacity_bytes and items.keys().isdisjoint(held)
@@ -173,12 +171,12 @@ class DramCache:
                 while self.used_bytes + size > self.capacity_bytes:
                     self._drop(next(iter(items)))
                     self.evictions += 1
-                items.update(zip(held, records, strict=True))
+                items.update((sid, rec) for sid, (rec, _) in held.items())
                 self.used_bytes += size
-                if unpins.count(None) < len(unpins):
-                    locked = {sid: u for sid, u in zip(held, unpins, strict=True) if u}
-                    self._unpin.update(locked)
-                    self.pinned += len(locked)
+                for sid, (_, unpin) in held.items():
+                    if unpin is not None:
+                        self._unpin[sid] = unpin
+                        self.pinned += 1
         if whole:
             return []
         return [sid for sid, h in held.items() if not self.put(sid, h[0], h)]

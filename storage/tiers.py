@@ -255,16 +255,14 @@ class TierStack:
             where = self.policy.lookup_many(ids)
         held = where >= 0
         found: dict[int, int | None] = {}
-        if not held.any() and len(set(keys)) == len(keys):
-            miss, missing = ids, keys  # a batch no tier holds any of, none twice: the usual
-            self.store.confirm_offsets(ids, offsets, lengths)
-        else:
+        at: slice | np.ndarray = slice(None)  # the usual batch: no tier holds any, none twice
+        if held.any() or len(set(keys)) < len(keys):
             found = dict(zip(ids[held].tolist(), where[held].tolist(), strict=True))
             _, first = np.unique(ids, return_index=True)  # an id's first place in the batch
             at = np.sort(first[~held[first]])
-            miss = ids[at]
-            missing = miss.tolist()
-            self.store.confirm_offsets(miss, offsets[at], lengths[at])
+        miss = ids[at]
+        missing = miss.tolist()
+        self.store.confirm_offsets(miss, offsets[at], lengths[at])
         sizes = dict(zip(keys, lengths.tolist(), strict=True)) if found else None
         # The worker mapped the pages, not this process: a record DRAM admits has its pages
         # mapped here by the admission (``SampleStore.pin``), the others never are.
@@ -411,9 +409,8 @@ class TierStack:
             self.dram.put_many(held)
             held.clear()
             return
-        if not held and self._admissions is not None and self._all_queued(moves, have):
-            return
-        moves = sorted(moves, key=lambda m: m[0] != "demote" and m != ("drop", m[1], DRAM))
+        if any(kind != "admit" for kind, _, _ in moves):  # a batch of misses has none to order
+            moves = sorted(moves, key=lambda m: m[0] != "demote" and m != ("drop", m[1], DRAM))
         late: list[tuple[int, memoryview]] = []  # for the admission queue, offered together
         for kind, sid, tier in moves:
             if kind == "admit":
@@ -443,22 +440,6 @@ class TierStack:
         if late and self._admissions is not None:
             for sid in self._admissions.offer_many(late):
                 self.policy.forget(sid)  # dropped: the next read goes to the store again
-
-    def _all_queued(self, moves: list[Move], have: dict[int, Record]) -> bool:
-        """Queue the records for DRAM together if every move admits a view into DRAM.
-
-        A batch of large misses, the usual case with an admission queue: one pass instead
-        of sorting the moves and taking them one by one. False: not such a batch, nothing done.
-        """
-        assert self._admissions is not None
-        if {(kind, tier) for kind, _, tier in moves} != {("admit", DRAM)}:
-            return False
-        late = [(sid, have[sid]) for _, sid, _ in moves]
-        if not all(isinstance(rec, memoryview) for _, rec in late):
-            return False
-        for sid in self._admissions.offer_many(late):  # type: ignore[arg-type]
-            self.policy.forget(sid)  # dropped: the next read goes to the store again
-        return True
 
     def _put_dram(
         self, sid: int, rec: Record, held: Held | None, late: list[tuple[int, memoryview]]
