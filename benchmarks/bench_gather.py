@@ -23,11 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from loaderd import row_copy
 from loaderd.prefetch import Assembler, Placed, gather_rows
 from loaderd.shm_ring import LentRing
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import SampleStore
 from loaderd.storage.store_writer import StoreWriter
+from loaderd.storage.syscalls import address_of
 from loaderd.storage.tiers import Record, TierStack
 
 SLOTS = 32  # the daemon's ring: batches rotate over its slots while trainers hold some
@@ -136,18 +138,41 @@ def run(stack: TierStack, schema: Schema, ring: LentRing, batches: list[np.ndarr
     def gather(recs: list[Record], out: memoryview) -> None:
         gather_rows(recs, [(out, offset, width)])
 
+    def python_rows(recs: list[Record], out: memoryview) -> None:  # without the compiled copy
+        for i, rec in enumerate(recs):
+            out[i * width : (i + 1) * width] = memoryview(rec)[offset : offset + width]
+
+    def compiled(threads: int, stream: bool) -> Copy:
+        def copy(recs: list[Record], out: memoryview) -> None:
+            assert row_copy._LIB is not None
+            sources = np.fromiter(map(address_of, recs), np.uint64, len(recs))
+            row_copy._LIB.loaderd_gather_rows(
+                address_of(out), sources.ctypes.data, len(recs), offset, width, threads, stream
+            )
+
+        return copy
+
     def case(
         copy: Copy, src: list[list[Record]], dst: Callable[[int], memoryview]
     ) -> Callable[[int], object]:
         return lambda r: copy(src[r], dst(r))
 
     one_slot = ring_views[0]
+    in_turn = lambda r: ring_views[r % len(ring_views)]  # noqa: E731
     cases: list[tuple[str, Callable[[int], object]]] = [
+        ("Python rows: DRAM records -> ring slots in turn", case(python_rows, held, in_turn)),
+    ]
+    if row_copy.AVAILABLE:
+        cases += [
+            (
+                f"compiled, {t} thread(s), {'streaming' if st else 'ordinary'} stores: -> in turn",
+                case(compiled(t, st), held, in_turn),
+            )
+            for t, st in ((1, False), (1, True), (2, False), (2, True))
+        ]
+    cases += [
         ("gather_rows: DRAM records -> ring slot", case(gather, held, lambda r: one_slot)),
-        (
-            "gather_rows: DRAM records -> ring slots in turn",
-            case(gather, held, lambda r: ring_views[r % len(ring_views)]),
-        ),
+        ("gather_rows: DRAM records -> ring slots in turn", case(gather, held, in_turn)),
         ("gather_rows: bytes copies -> ring slot", case(gather, copies, lambda r: one_slot)),
         ("gather_rows: DRAM records -> heap, touched", case(gather, held, lambda r: heap.data)),
         (

@@ -1,0 +1,82 @@
+"""A batch's rows copied in one compiled call (``loaderd/native/gather_rows.c``).
+
+The copy on a cache hit's path is bound by memory, and from Python it runs one core's
+ordinary stores: 5.6-6.0 GB/s of 100 KB rows into a ring slot on the benchmark's VM, where a
+streaming copy on two threads ran 9.8 (``benchmarks/bench_gather.py``). The library is plain
+C, loaded with ``ctypes.PyDLL``: the GIL stays held for the call, as it is for the Python copy
+(``prefetch.gather_rows`` says why). Where it was not built, ``gather`` says so and the caller
+copies from Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from loaderd.storage.syscalls import address_of
+
+logger = logging.getLogger(__name__)
+
+# A batch at least this large is streamed to memory: it is written back from the cache
+# before the trainer reads it in any case, a few batches later.
+STREAM_BYTES = 1 << 20
+# One thread per this many bytes of rows, up to ``THREADS``: a thread costs ~30 us to start.
+THREAD_BYTES = 2 << 20
+THREADS = min(4, len(os.sched_getaffinity(0)))
+
+
+def _load() -> ctypes.PyDLL | None:
+    spec = importlib.util.find_spec("loaderd._gather_rows")
+    if spec is None or spec.origin is None:
+        logger.info("the compiled row copy is not built: batches are copied from Python")
+        return None
+    lib = ctypes.PyDLL(spec.origin)
+    fn = lib.loaderd_gather_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    fn.argtypes += [ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+_LIB = _load()
+AVAILABLE = _LIB is not None
+
+
+def gather(
+    records: Sequence[bytes | memoryview], outs: Sequence[tuple[memoryview, int, int]]
+) -> bool:
+    """``prefetch.gather_rows`` in C, for records of one length; False: nothing was copied.
+
+    Args:
+        records: the batch's records, each at least as long as every ``offset + width``.
+        outs: (``out``, ``offset``, ``width``): ``out`` holds ``len(records)`` rows of ``width``.
+
+    Raises:
+        ValueError: a record too short or an ``out`` of the wrong size (nothing is written
+            out of bounds).
+    """
+    if _LIB is None:
+        return False
+    n = len(records)
+    shortest = min(map(len, records))
+    for out, offset, width in outs:
+        if out.readonly or not out.contiguous:
+            raise ValueError("rows are copied into a writable, contiguous frame")
+        if out.nbytes != n * width or offset < 0 or offset + width > shortest:
+            raise ValueError(
+                f"rows [{offset}, {offset + width}) of {n} records (shortest {shortest} B) "
+                f"do not fit a frame of {out.nbytes} B"
+            )
+    sources = np.fromiter(map(address_of, records), np.uint64, n)
+    for out, offset, width in outs:
+        nbytes = n * width
+        threads = max(1, min(THREADS, nbytes // THREAD_BYTES))
+        _LIB.loaderd_gather_rows(
+            address_of(out), sources.ctypes.data, n, offset, width, threads, nbytes >= STREAM_BYTES
+        )
+    return True

@@ -1,0 +1,80 @@
+"""The compiled row copy: built by the install, and the same rows as the Python copy."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaderd import row_copy
+from loaderd.prefetch import gather_rows
+
+
+def python_rows(records: list[bytes], offset: int, width: int) -> bytes:
+    return b"".join(r[offset : offset + width] for r in records)
+
+
+def test_the_install_builds_the_compiled_copy() -> None:
+    assert row_copy.AVAILABLE, "loaderd/native/gather_rows.c was not built (is gcc there?)"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 9])
+@pytest.mark.parametrize(("size", "offset", "width"), [(24, 16, 8), (4099, 3, 4077), (200, 0, 200)])
+def test_every_split_and_store_kind_copies_the_same_rows(
+    stream: bool, threads: int, n: int, size: int, offset: int, width: int
+) -> None:
+    lib = row_copy._LIB
+    assert lib is not None
+    rng = np.random.default_rng(n * 31 + size)
+    records = [rng.bytes(size) for _ in range(n)]
+    sources = np.array([np.frombuffer(r, np.uint8).ctypes.data for r in records], np.uint64)
+    dst = np.zeros(n * width + 64, np.uint8)
+    out = dst[1 : 1 + n * width]  # a destination off its alignment: streaming stores need 16
+    started = lib.loaderd_gather_rows(
+        out.ctypes.data, sources.ctypes.data, n, offset, width, threads, stream
+    )
+    assert out.tobytes() == python_rows(records, offset, width)
+    assert dst[0] == 0 and not dst[1 + n * width :].any()  # nothing written around the rows
+    assert 1 <= started <= max(1, min(threads, n))
+
+
+def test_a_batch_of_views_of_a_read_only_map_is_gathered_like_bytes(tmp_path: Path) -> None:
+    size, n = 150_000, 24  # 3.6 MB: streamed, on more than one thread where there are cores
+    rng = np.random.default_rng(3)
+    blob = rng.bytes(size * n + 4096)
+    (tmp_path / "data").write_bytes(blob)
+    with open(tmp_path / "data", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        whole = memoryview(m)
+        starts = rng.permutation(n) * size + 7
+        records = [whole[a : a + size] for a in starts.tolist()]
+        frames = [memoryview(bytearray(n * (size - 100))), memoryview(bytearray(n * 8))]
+        assert row_copy.gather(records, [(frames[0], 100, size - 100), (frames[1], 0, 8)])
+        want = [bytes(r) for r in records]
+        assert bytes(frames[0]) == python_rows(want, 100, size - 100)
+        assert bytes(frames[1]) == python_rows(want, 0, 8)
+        del records, whole
+
+
+def test_a_frame_that_does_not_fit_is_refused_and_left_untouched() -> None:
+    records = [bytes([i]) * 40 for i in range(4)]
+    short = memoryview(bytearray(4 * 30 - 1))
+    with pytest.raises(ValueError, match=r"rows \[10, 40\) of 4 records"):
+        row_copy.gather(records, [(short, 10, 30)])
+    assert not any(short)
+    with pytest.raises(ValueError, match=r"shortest 40 B"):
+        row_copy.gather(records, [(memoryview(bytearray(4 * 30)), 11, 30)])  # past a record
+    with pytest.raises(ValueError, match="writable"):
+        row_copy.gather(records, [(memoryview(bytes(4 * 30)), 10, 30)])
+
+
+def test_without_the_library_rows_are_copied_from_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = [bytes(range(i, i + 200)) * 100 for i in range(3)]  # 20 KB: past the join
+    monkeypatch.setattr(row_copy, "_LIB", None)
+    assert not row_copy.gather(records, [(memoryview(bytearray(3 * 100)), 0, 100)])
+    out = memoryview(bytearray(3 * 19_000))
+    gather_rows(records, [(out, 500, 19_000)])
+    assert bytes(out) == python_rows(records, 500, 19_000)
