@@ -146,8 +146,9 @@ def run(stack: TierStack, schema: Schema, ring: LentRing, batches: list[np.ndarr
         def copy(recs: list[Record], out: memoryview) -> None:
             assert row_copy._LIB is not None
             sources = np.fromiter(map(address_of, recs), np.uint64, len(recs))
+            table = np.array([(address_of(out), offset, width)], np.uint64)
             row_copy._LIB.loaderd_gather_rows(
-                address_of(out), sources.ctypes.data, len(recs), offset, width, threads, stream
+                sources.ctypes.data, len(recs), table.ctypes.data, 1, threads, stream
             )
 
         return copy

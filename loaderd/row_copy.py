@@ -1,11 +1,11 @@
 """A batch's rows copied in one compiled call (``loaderd/native/gather_rows.c``).
 
 The copy on a cache hit's path is bound by memory, and from Python it runs one core's
-ordinary stores: 5.6-6.0 GB/s of 100 KB rows into a ring slot on the benchmark's VM, where a
-streaming copy on two threads ran 9.8 (``benchmarks/bench_gather.py``). The library is plain
-C, loaded with ``ctypes.PyDLL``: the GIL stays held for the call, as it is for the Python copy
-(``prefetch.gather_rows`` says why). Where it was not built, ``gather`` says so and the caller
-copies from Python.
+ordinary stores: 5.6-6.3 GB/s of 100 KB rows into ring slots on the benchmark's VM, where a
+streaming copy on two threads ran 8.5-9.8 (``benchmarks/bench_gather.py``). The library is
+plain C, loaded with ``ctypes.PyDLL``: the GIL stays held for the call, as it is for the
+Python copy (``prefetch.gather_rows`` says why). Where the library was not built, ``gather``
+says so and the caller copies from Python.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from loaderd.storage.syscalls import address_of
 
 logger = logging.getLogger(__name__)
 
+Rows = Sequence[tuple[memoryview, int, int]]  # (out, offset, width): a field's rows
+
 # A batch at least this large is streamed to memory: it is written back from the cache
 # before the trainer reads it in any case, a few batches later.
 STREAM_BYTES = 1 << 20
@@ -36,10 +38,9 @@ def _load() -> ctypes.PyDLL | None:
         logger.info("the compiled row copy is not built: batches are copied from Python")
         return None
     lib = ctypes.PyDLL(spec.origin)
-    fn = lib.loaderd_gather_rows
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    fn.argtypes += [ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    p, n = ctypes.c_void_p, ctypes.c_size_t
+    lib.loaderd_gather_rows.argtypes = [p, n, p, n, ctypes.c_int, ctypes.c_int]
+    lib.loaderd_gather_rows.restype = ctypes.c_int
     return lib
 
 
@@ -47,24 +48,17 @@ _LIB = _load()
 AVAILABLE = _LIB is not None
 
 
-def gather(
-    records: Sequence[bytes | memoryview], outs: Sequence[tuple[memoryview, int, int]]
-) -> bool:
-    """``prefetch.gather_rows`` in C, for records of one length; False: nothing was copied.
-
-    Args:
-        records: the batch's records, each at least as long as every ``offset + width``.
-        outs: (``out``, ``offset``, ``width``): ``out`` holds ``len(records)`` rows of ``width``.
+def _arguments(records: Sequence[bytes | memoryview], outs: Rows) -> tuple[np.ndarray, np.ndarray]:
+    """The records' addresses and the outputs as (address, offset, width) rows, checked.
 
     Raises:
-        ValueError: a record too short or an ``out`` of the wrong size (nothing is written
-            out of bounds).
+        ValueError: a record too short, or an ``out`` read-only, not contiguous or of the
+            wrong size (nothing is written out of bounds).
     """
-    if _LIB is None:
-        return False
     n = len(records)
     shortest = min(map(len, records))
-    for out, offset, width in outs:
+    table = np.empty((len(outs), 3), np.uint64)
+    for k, (out, offset, width) in enumerate(outs):
         if out.readonly or not out.contiguous:
             raise ValueError("rows are copied into a writable, contiguous frame")
         if out.nbytes != n * width or offset < 0 or offset + width > shortest:
@@ -72,11 +66,30 @@ def gather(
                 f"rows [{offset}, {offset + width}) of {n} records (shortest {shortest} B) "
                 f"do not fit a frame of {out.nbytes} B"
             )
-    sources = np.fromiter(map(address_of, records), np.uint64, n)
-    for out, offset, width in outs:
-        nbytes = n * width
-        threads = max(1, min(THREADS, nbytes // THREAD_BYTES))
-        _LIB.loaderd_gather_rows(
-            address_of(out), sources.ctypes.data, n, offset, width, threads, nbytes >= STREAM_BYTES
-        )
+        table[k] = (address_of(out), offset, width)
+    return np.fromiter(map(address_of, records), np.uint64, n), table
+
+
+def gather(records: Sequence[bytes | memoryview], outs: Rows) -> bool:
+    """``prefetch.gather_rows`` in one compiled call; False: not built, nothing was copied.
+
+    Args:
+        records: the batch's records, each at least as long as every ``offset + width``.
+        outs: (``out``, ``offset``, ``width``): ``out`` holds ``len(records)`` rows of ``width``.
+
+    Raises:
+        ValueError: see ``_arguments``.
+    """
+    if _LIB is None or not records or not outs:
+        return _LIB is not None
+    sources, table = _arguments(records, outs)
+    nbytes = len(records) * sum(w for _, _, w in outs)
+    _LIB.loaderd_gather_rows(
+        sources.ctypes.data,
+        len(records),
+        table.ctypes.data,
+        len(outs),
+        max(1, min(THREADS, nbytes // THREAD_BYTES)),
+        nbytes >= STREAM_BYTES,
+    )
     return True

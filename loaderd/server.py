@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from loaderd import __version__, autotune_daemon, crashpoints
+from loaderd import __version__, autotune_daemon, crashpoints, row_copy
 from loaderd.auth import is_curve_peer, secure_tcp
 from loaderd.client.errors import ErrorCode, ProtocolError
 from loaderd.client.protocol import (
@@ -756,6 +756,8 @@ class Server:
                 "state_dir": str(self.state_dir),
                 "prefetched": self.prefetcher.pending,
                 "assembled_inline": self.prefetcher.inline,
+                # how rows of records over 16 KiB are copied (``loaderd.row_copy``)
+                "row_copy": "compiled" if row_copy.AVAILABLE else "python",
             },
             uptime_s=time.monotonic() - self.started,
         )

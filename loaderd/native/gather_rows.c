@@ -1,9 +1,9 @@
 /* A batch's rows gathered in one call: the copy on a cache hit's path (loaderd/row_copy.py).
  *
- * Row i of `dst` is bytes [offset, offset + width) of record i. Plain C without Python's
- * headers: loaderd loads it with ctypes.PyDLL, which keeps the GIL held for the call, as the
- * Python copy it replaces does (a copy that lets go of the GIL waits up to the switch
- * interval to win it back from the server loop).
+ * For each output (a field), row i of its `dst` is bytes [offset, offset + width) of record
+ * i. Plain C without Python's headers: loaderd loads it with ctypes.PyDLL, which keeps
+ * the GIL held for the call, as the Python copy it replaces does (a copy that lets go of the
+ * GIL waits up to the switch interval to win it back from the server loop).
  *
  * It does two things a copy from Python cannot:
  *  - streaming stores (`stream`): each line of the batch goes to memory without first being
@@ -25,9 +25,13 @@
 #define MAX_THREADS 16
 
 typedef struct {
-    char *dst;
+    uint64_t dst, offset, width; /* as Python passes them: one uint64 row of three per output */
+} out_t;
+
+typedef struct {
     const char *const *srcs;
-    size_t rows, offset, width;
+    const out_t *outs;
+    size_t first, rows, nouts;
     int stream;
 } part_t;
 
@@ -54,13 +58,16 @@ static void stream_copy(char *d, const char *s, size_t n) {
 
 static void *copy_part(void *arg) {
     const part_t *p = arg;
-    for (size_t i = 0; i < p->rows; i++) {
-        char *d = p->dst + i * p->width;
-        const char *s = p->srcs[i] + p->offset;
-        if (p->stream)
-            stream_copy(d, s, p->width);
-        else
-            memcpy(d, s, p->width);
+    for (size_t k = 0; k < p->nouts; k++) {
+        const out_t *o = &p->outs[k];
+        for (size_t i = p->first; i < p->first + p->rows; i++) {
+            char *d = (char *)(uintptr_t)o->dst + i * o->width;
+            const char *s = p->srcs[i] + o->offset;
+            if (p->stream)
+                stream_copy(d, s, o->width);
+            else
+                memcpy(d, s, o->width);
+        }
     }
 #if defined(__SSE2__)
     if (p->stream)
@@ -69,19 +76,19 @@ static void *copy_part(void *arg) {
     return NULL;
 }
 
-/* Copies `rows` rows; returns how many threads copied them. */
-int loaderd_gather_rows(char *dst, const char *const *srcs, size_t rows, size_t offset,
-                        size_t width, int threads, int stream) {
+/* Copies every row on up to `threads` threads (this one among them); returns how many. */
+int loaderd_gather_rows(const char *const *srcs, size_t rows, const out_t *outs, size_t nouts,
+                        int threads, int stream) {
     part_t parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     size_t n = (size_t)(threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads);
     if (n > rows)
         n = rows ? rows : 1;
-    size_t start = 0;
+    size_t first = 0;
     for (size_t t = 0; t < n; t++) {
         size_t count = rows / n + (t < rows % n);
-        parts[t] = (part_t){dst + start * width, srcs + start, count, offset, width, stream};
-        start += count;
+        parts[t] = (part_t){srcs, outs, first, count, nouts, stream};
+        first += count;
     }
     size_t started = 1; /* part 0 is this thread's */
     for (; started < n; started++)

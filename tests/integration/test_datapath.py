@@ -126,8 +126,10 @@ def test_store_bytes_cold_hit_socket_and_shm(
     inline = stats(served.address)["daemon"]["assembled_inline"]
     assert sorted(check_epoch(ds, samples)) == list(range(N))  # hits: DRAM (locked views)
     s = ds.stats()
-    # Every batch of the hit epoch (200 KB, all in DRAM) was assembled on the server loop.
+    # Every batch of the hit epoch (200 KB, all in DRAM) was assembled on the server loop,
+    # its 20 KB rows by the compiled copy.
     assert s["daemon"]["assembled_inline"] - inline >= N // 10
+    assert s["daemon"]["row_copy"] == "compiled"
     ra = s["readahead"]
     assert ra["advised_records"] > 0 and ra["indexed"]
     assert ra["advise_calls"] <= ra["advised_records"]  # neighbours share a call

@@ -23,22 +23,27 @@ def test_the_install_builds_the_compiled_copy() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 9])
-@pytest.mark.parametrize(("size", "offset", "width"), [(24, 16, 8), (4099, 3, 4077), (200, 0, 200)])
+@pytest.mark.parametrize("fields", [[(16, 8)], [(3, 4077), (4080, 19)], [(0, 200)]])
 def test_every_split_and_store_kind_copies_the_same_rows(
-    stream: bool, threads: int, n: int, size: int, offset: int, width: int
+    stream: bool, threads: int, n: int, fields: list[tuple[int, int]]
 ) -> None:
     lib = row_copy._LIB
     assert lib is not None
+    size = max(offset + width for offset, width in fields) + 1
     rng = np.random.default_rng(n * 31 + size)
     records = [rng.bytes(size) for _ in range(n)]
     sources = np.array([np.frombuffer(r, np.uint8).ctypes.data for r in records], np.uint64)
-    dst = np.zeros(n * width + 64, np.uint8)
-    out = dst[1 : 1 + n * width]  # a destination off its alignment: streaming stores need 16
-    started = lib.loaderd_gather_rows(
-        out.ctypes.data, sources.ctypes.data, n, offset, width, threads, stream
+    # Destinations off their alignment (streaming stores need 16), with guards around them.
+    dsts = [np.zeros(n * width + 64, np.uint8) for _, width in fields]
+    outs = np.array(
+        [(d.ctypes.data + 1, off, w) for d, (off, w) in zip(dsts, fields, strict=True)], np.uint64
     )
-    assert out.tobytes() == python_rows(records, offset, width)
-    assert dst[0] == 0 and not dst[1 + n * width :].any()  # nothing written around the rows
+    started = lib.loaderd_gather_rows(
+        sources.ctypes.data, n, outs.ctypes.data, len(fields), threads, stream
+    )
+    for d, (offset, width) in zip(dsts, fields, strict=True):
+        assert d[1 : 1 + n * width].tobytes() == python_rows(records, offset, width)
+        assert d[0] == 0 and not d[1 + n * width :].any()  # nothing written around the rows
     assert 1 <= started <= max(1, min(threads, n))
 
 
