@@ -199,7 +199,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """This rank's share of the next epoch (or the rest of an interrupted one)."""
-        return on_device(self._pass("train"), self.device, self.buffers)
+        return on_device(self._pass("train"), self.device, self.buffers, self._shm)
 
     def __len__(self) -> int:
         """The number of batches this rank gets in its coming training pass.
@@ -228,7 +228,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         Send their losses with ``feedback`` as usual. Empty while the importance engine is
         still classifying samples, or when the job's sampler does not re-score.
         """
-        return on_device(self._pass("rescore"), self.device, self.buffers)
+        return on_device(self._pass("rescore"), self.device, self.buffers, self._shm)
 
     def _pass(self, phase: str) -> Iterator[dict[str, Any]]:
         info = get_worker_info()

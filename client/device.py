@@ -8,11 +8,14 @@ which pass through) and yields the same batches with their CPU tensors on the de
 
 It keeps ``buffers`` batches staged in pinned host memory (buffers allocated once and reused,
 grown only when a batch is larger than any before), and issues each host-to-device copy on a
-side stream while the current step computes. Each batch's copies end with an event; before a
-batch is yielded, the consumer's current stream waits on that event, and each device tensor is
-``record_stream``-ed on the consumer's stream so that the caching allocator does not hand its
-memory to another tensor while the consumer's kernels may still read it. A pinned buffer is
-overwritten only after the event of the copy that last read it has completed.
+side stream while the current step computes. A tensor already in pinned memory (a batch in
+the daemon's shared-memory ring, which the dataset registers with CUDA, ``register_host``) is
+copied straight from there, with no staging copy, and held until its copy has completed.
+Each batch's copies end with an event; before a batch is yielded, the consumer's current
+stream waits on that event, and each device tensor is ``record_stream``-ed on the consumer's
+stream so that the caching allocator does not hand its memory to another tensor while the
+consumer's kernels may still read it. A pinned buffer is overwritten, and a held tensor let
+go, only after the event of the copy that last read it has completed.
 
 Every stream, event and pinned-memory operation goes through a ``CopyBackend``: ``CudaBackend``
 on a GPU, a fake one in the tests, which checks the ordering on a CPU-only machine.
@@ -20,9 +23,10 @@ on a GPU, a fake one in the tests, which checks the ordering on a CPU-only machi
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,6 +70,14 @@ class CopyBackend(Protocol):
         """Tell the allocator that ``tensor`` is used on ``stream`` too."""
         ...
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether a CPU tensor lies in page-locked memory the device can copy from directly."""
+        ...
+
+    def register_host(self, address: int, nbytes: int) -> Callable[[], None] | None:
+        """Page-lock a range of host memory for direct copies; its undoing, or None: refused."""
+        ...
+
 
 class CudaBackend:
     """``CopyBackend`` over ``torch.cuda``."""
@@ -102,6 +114,32 @@ class CudaBackend:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:  # noqa: D102
         tensor.record_stream(stream)
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:  # noqa: D102
+        return tensor.is_pinned()
+
+    def register_host(self, address: int, nbytes: int) -> Callable[[], None] | None:  # noqa: D102
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        with torch.cuda.device(self.device):
+            err = cudart.cudaHostRegister(address, nbytes, 0)
+        if int(err) != 0:
+            # The runtime keeps a failed call's error until it is read, and torch reads it
+            # after its next kernel launch: read it here, or that launch fails with it.
+            _clear_last_error()
+            logger.info("cannot page-lock %d bytes for direct copies (%s): staged", nbytes, err)
+            return None
+        return lambda: cudart.cudaHostUnregister(address)
+
+
+def _clear_last_error() -> None:
+    """``cudaGetLastError`` of the CUDA runtime torch loaded (found in this process's maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((ln.split()[-1] for ln in maps if "libcudart.so" in ln), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
+
 
 def resolve_cuda_device(device: str | torch.device) -> torch.device:
     """Check that ``device`` is a usable CUDA device and pin down its index.
@@ -134,6 +172,14 @@ class _HostBuffer:
 
     storage: dict[str, torch.Tensor] = field(default_factory=dict)
     event: Any = None  # the copy that last read these buffers; wait before overwriting
+    held: list[torch.Tensor] = field(default_factory=list)  # pinned sources copied directly
+
+    def settle(self, backend: CopyBackend) -> None:
+        """Wait for the copy that last read this batch's memory; let go of its sources."""
+        if self.event is not None:
+            backend.synchronize(self.event)
+            self.event = None
+        self.held.clear()  # a slot of the ring goes back once nothing views it
 
 
 @dataclass(slots=True)
@@ -182,6 +228,7 @@ class DeviceBuffering:
         self._stream: Any = None  # made on first use, so construction touches no device
         self.pinned_allocations = 0
         self.pinned_bytes = 0
+        self.direct_copies = 0  # tensors copied from pinned memory of their own, not staged
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._stream is None:
@@ -223,23 +270,32 @@ class DeviceBuffering:
             close = getattr(source, "close", None)
             if callable(close):
                 close()
+            for host in self._host:  # no source is let go while a copy may read it
+                host.settle(self._backend)
 
     def _stage(self, host: _HostBuffer, batch: Mapping[str, Any]) -> _Staged:
-        """Copy a batch's CPU tensors into ``host``'s pinned memory and on to the device."""
-        if host.event is not None:
-            # The copy that last read these buffers was enqueued `buffers` batches ago and
-            # has all but surely completed; never overwrite pinned memory a DMA may read.
-            self._backend.synchronize(host.event)
-            host.event = None
+        """Copy a batch's CPU tensors to the device, through ``host``'s pinned memory or not.
+
+        A tensor in pinned memory of its own is copied from there and held by ``host`` until
+        the copy has completed; any other is copied into ``host``'s buffers first.
+        """
+        # The copy that last read this memory was enqueued `buffers` batches ago and has all
+        # but surely completed; never overwrite pinned memory a DMA may read.
+        host.settle(self._backend)
         out: dict[str, Any] = {}
         tensors: list[torch.Tensor] = []
         for key, value in batch.items():
             if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
                 out[key] = value
                 continue
-            pinned = self._pinned_view(host, key, value)
-            pinned.copy_(value)
-            dev = self._backend.copy_async(pinned, self._stream)
+            if self._backend.is_pinned(value):
+                host.held.append(value)
+                self.direct_copies += 1
+                source = value
+            else:
+                source = self._pinned_view(host, key, value)
+                source.copy_(value)
+            dev = self._backend.copy_async(source, self._stream)
             out[key] = dev
             tensors.append(dev)
         host.event = self._backend.record_event(self._stream)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from loaderd.client.current_pid import current_pid
-from loaderd.client.device import DeviceBuffering, resolve_cuda_device
+from loaderd.client.device import CudaBackend, DeviceBuffering, resolve_cuda_device
 from loaderd.client.protocol import Message
 from loaderd.client.shm import ShmError, ShmRing, SlotDescriptor, is_uint
 from loaderd.client.slot_lifetime import hold_slot
@@ -43,6 +43,19 @@ class ShmReceiver:
         # The last descriptor's ring, its "frames" as sent and as checked: the next batches
         # of a pass have the same layout, so only their slot and generation need checking.
         self._known: tuple[ShmRing, Any, tuple[tuple[int, int], ...]] | None = None
+        # Page-locks the rings this process maps (``pin``), and which process asked.
+        self._register: tuple[int, Callable[[int, int], Callable[[], None] | None]] | None = None
+
+    def pin(self, register: Callable[[int, int], Callable[[], None] | None]) -> None:
+        """Page-lock every ring this process maps, now and later, with ``register``.
+
+        ``DeviceBuffering`` then copies a batch to the GPU straight from its slot. A forked
+        child pins nothing its parent asked for.
+        """
+        self._register = (current_pid(), register)
+        if self._pid == current_pid():
+            for ring in self._rings.values():
+                ring.pin(register)
 
     def accept(self, welcome: dict[str, Any]) -> bool:
         """Attach to the ring a WELCOME names; False when it cannot (use the socket then)."""
@@ -67,6 +80,8 @@ class ShmReceiver:
                 self._rings.pop(next(iter(self._rings))).close()
                 self._known = None
             ring = self._rings[name] = ShmRing.attach(name)
+            if self._register is not None and self._register[0] == self._pid:
+                ring.pin(self._register[1])
         return ring
 
     def resolve(self, msg: Message, on_free: Callable[[], None] | None = None) -> bool:
@@ -161,9 +176,19 @@ def check_device(device: str | torch.device | None, buffers: int) -> torch.devic
 
 
 def on_device(
-    batches: Iterator[dict[str, Any]], device: torch.device | None, buffers: int
+    batches: Iterator[dict[str, Any]],
+    device: torch.device | None,
+    buffers: int,
+    shm: ShmReceiver | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """``batches`` as they are, or copied to ``device`` ``buffers`` batches ahead."""
+    """``batches`` as they are, or copied to ``device`` ``buffers`` batches ahead.
+
+    With ``shm``, its rings are page-locked for the device, so that a batch is copied from
+    its slot with no staging copy.
+    """
     if device is None:
         return batches
-    return iter(DeviceBuffering(batches, device=device, buffers=buffers))
+    backend = CudaBackend(device)
+    if shm is not None:
+        shm.pin(backend.register_host)
+    return iter(DeviceBuffering(batches, device=device, buffers=buffers, backend=backend))

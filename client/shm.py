@@ -34,7 +34,7 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeGuard
@@ -178,6 +178,8 @@ class ShmRing:
         self.slot_bytes = slot_bytes
         self._mm: mmap.mmap | None = mm
         self._data_offset = data_offset
+        self._unpin: Callable[[], None] | None = None  # undoes ``pin``
+        self._pinned = False
 
     @classmethod
     def attach(cls, name: str, *, directory: str | os.PathLike[str] = SHM_DIR) -> ShmRing:
@@ -223,6 +225,9 @@ class ShmRing:
         unmapped when the last of them is freed, never under their feet.
         """
         mm, self._mm = self._mm, None
+        unpin, self._unpin = self._unpin, None
+        if unpin is not None:
+            unpin()
         if mm is not None:
             try:
                 mm.close()
@@ -240,6 +245,17 @@ class ShmRing:
         return f"{kind}({self.name!r}, slots={self.slots}, slot_bytes={self.slot_bytes})"
 
     # --- bytes ------------------------------------------------------------------------------
+
+    def pin(self, register: Callable[[int, int], Callable[[], None] | None]) -> None:
+        """Have ``register`` page-lock the whole mapping (once); ``close`` undoes it first.
+
+        For direct copies to a GPU (``device.CopyBackend.register_host``): a tensor over a
+        pinned slot is copied by the device from the slot itself, with no staging copy.
+        """
+        if not self._pinned:
+            mm = self._map()
+            self._pinned = True  # refused or not: asked once
+            self._unpin = register(int(np.frombuffer(mm, np.uint8).ctypes.data), len(mm))
 
     def view(self, slot: int, offset: int = 0, nbytes: int | None = None) -> memoryview:
         """A writable view of part of a slot, without a copy.

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +19,10 @@ class FakeStream:
         self.done = 0
 
 
+def _done() -> None:
+    pass
+
+
 class FakeEvent:
     ids = itertools.count()
 
@@ -29,6 +35,7 @@ class FakeEvent:
         s = self.stream
         while s.done < self.seq:
             s.ops[s.done]()
+            s.ops[s.done] = _done  # a copy done holds no tensor (as a DMA done holds none)
             s.done += 1
 
 
@@ -45,6 +52,7 @@ class FakeBackend:
         self.consumer = FakeStream("consumer")
         self.pinned: list[torch.Tensor] = []
         self.streams: list[FakeStream] = []
+        self.registered: list[tuple[int, int]] = []  # host ranges page-locked for copies
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         t = torch.empty(nbytes, dtype=torch.uint8)
@@ -59,8 +67,17 @@ class FakeBackend:
     def current_stream(self) -> FakeStream:
         return self.consumer
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        p = tensor.data_ptr()
+        return any(a <= p < a + n for a, n in self.registered)
+
+    def register_host(self, address: int, nbytes: int) -> Callable[[], None]:
+        self.registered.append((address, nbytes))
+        return lambda: self.registered.remove((address, nbytes))
+
     def copy_async(self, src: torch.Tensor, stream: FakeStream) -> torch.Tensor:
-        assert any(src.untyped_storage().data_ptr() == p.data_ptr() for p in self.pinned)
+        ptr = src.untyped_storage().data_ptr()
+        assert any(ptr == p.data_ptr() for p in self.pinned) or self.is_pinned(src)
         dst = torch.zeros_like(src)
         stream.ops.append(lambda: dst.copy_(src))
         self.log.append(("copy", stream.name, id(dst)))
@@ -159,7 +176,7 @@ def test_pinned_buffer_not_overwritten_while_a_copy_may_read_it() -> None:
     for i, batch in enumerate(got):
         check(batch, i)
     syncs = [e for e in fake.log if e[0] == "sync"]
-    assert len(syncs) == 7 - 2
+    assert len(syncs) == 7  # before each reuse (5), and for each buffer at the pass's end
 
 
 def test_every_pass_reuses_the_buffers_and_stream() -> None:
@@ -235,3 +252,31 @@ def test_cuda_refused_without_cuda() -> None:
             DeviceBuffering([], device=device)
     with pytest.raises(RuntimeError, match="is_available"):
         resolve_cuda_device("cuda")
+
+
+def test_a_pinned_source_is_copied_directly_and_held_until_its_copy_completed() -> None:
+    """A batch in page-locked memory (a registered ring slot) is not staged: the copy reads
+    the batch itself, which is held (its slot not given back) until that copy completed."""
+    fake = FakeBackend(complete_on_wait=False)  # copies complete when the host syncs only
+    ring = torch.zeros(6, 4, 3)  # six "slots"
+    fake.register_host(ring.data_ptr(), ring.numel() * ring.element_size())
+    freed: list[int] = []
+
+    def batches() -> Iterator[dict[str, Any]]:
+        for i in range(6):
+            ring[i] = make_batch(i)["x"]
+            x = ring[i]
+            weakref.finalize(x, freed.append, i)  # the slot goes back once x is dropped
+            yield {"x": x, "id": make_batch(i)["id"], "epoch": i, "name": f"b{i}"}
+
+    buffering = DeviceBuffering(batches(), backend=fake, buffers=2)
+    for i, batch in enumerate(buffering):
+        gc.collect()
+        # Batches i and i + 1 are under way: neither source is let go before its copy.
+        assert all(k < i for k in freed), (i, freed)
+        fake.synchronize(fake.record_event(fake.streams[0]))  # the consumer's step reads x
+        assert torch.equal(batch["x"], make_batch(i)["x"])
+    gc.collect()
+    assert sorted(freed) == list(range(6))  # the pass's end let every one go
+    assert buffering.direct_copies == 6  # "x" each time; "id" was staged
+    assert all(p.numel() < ring.numel() for p in fake.pinned)  # no staging buffer for "x"

@@ -148,3 +148,37 @@ def test_receiver_maps_its_own_ring_after_fork(rings: list[LentRing]) -> None:
     os.waitpid(child, 0)
     assert got == b"1", "the child attached the ring itself"
     r.close()
+
+
+def test_rings_are_pinned_once_whether_mapped_before_or_after_and_unpinned_at_close(
+    rings: list[LentRing],
+) -> None:
+    """``pin`` registers each ring this process maps, once, over the whole mapping (where a
+    batch's tensors lie), and closing the receiver undoes it before unmapping."""
+    a = LentRing.create(2, 4096, prefix="ldtest-")
+    b = LentRing.create(2, 8192, prefix="ldtest-")
+    rings += [a, b]
+    pinned: dict[int, int] = {}
+    unpinned: list[int] = []
+
+    def register(address: int, nbytes: int) -> Any:
+        pinned[address] = nbytes
+        return lambda: unpinned.append(address)
+
+    r = ShmReceiver(True)
+    assert r.accept({"shm": {"ring": a.name}})  # mapped before the pin
+    r.pin(register)
+    r.pin(register)  # a second pass: nothing registered twice
+    assert r.accept({"shm": {"ring": b.name}})  # mapped after it
+    assert sorted(pinned.values()) == sorted(
+        [os.stat(a.path).st_size, os.stat(b.path).st_size]
+    )
+    slot = b.acquire()
+    assert slot is not None
+    batch = _batch(b, slot, [b"p" * 64])
+    assert r.resolve(batch)
+    address = torch.frombuffer(batch.frames[0], dtype=torch.uint8).data_ptr()
+    assert any(a0 <= address < a0 + n for a0, n in pinned.items())  # the batch lies in it
+    del batch
+    r.close()
+    assert sorted(unpinned) == sorted(pinned)
