@@ -170,9 +170,7 @@ def test_rings_are_pinned_once_whether_mapped_before_or_after_and_unpinned_at_cl
     r.pin(register)
     r.pin(register)  # a second pass: nothing registered twice
     assert r.accept({"shm": {"ring": b.name}})  # mapped after it
-    assert sorted(pinned.values()) == sorted(
-        [os.stat(a.path).st_size, os.stat(b.path).st_size]
-    )
+    assert sorted(pinned.values()) == sorted([os.stat(a.path).st_size, os.stat(b.path).st_size])
     slot = b.acquire()
     assert slot is not None
     batch = _batch(b, slot, [b"p" * 64])
