@@ -1,4 +1,4 @@
-"""The one compiled part of loaderd: the cache-hit copy (``loaderd/native/gather_rows.c``).
+"""The one compiled part of loaderd: the cache-hit copy (``loaderd/gather_rows.c``).
 
 Everything else is in pyproject.toml. The library is plain C, loaded with ctypes
 (``loaderd/row_copy.py``): it needs a C compiler, not Python's headers. Where it cannot be
@@ -11,8 +11,8 @@ setup(
     ext_modules=[
         Extension(
             "loaderd._gather_rows",
-            ["loaderd/native/gather_rows.c"],
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Werror"],
+            ["loaderd/gather_rows.c"],
+            extra_compile_args=["-O2", "-Wall"],  # warnings do not fail a user's install
             extra_link_args=["-pthread"],
             optional=True,
         )

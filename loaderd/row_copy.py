@@ -1,4 +1,4 @@
-"""A batch's rows copied in one compiled call (``loaderd/native/gather_rows.c``).
+"""A batch's rows copied in one compiled call (``loaderd/gather_rows.c``).
 
 The copy on a cache hit's path is bound by memory, and from Python it runs one core's
 ordinary stores: 5.6-6.3 GB/s of 100 KB rows into ring slots on the benchmark's VM, where a

@@ -17,7 +17,7 @@ def python_rows(records: list[bytes], offset: int, width: int) -> bytes:
 
 
 def test_the_install_builds_the_compiled_copy() -> None:
-    assert row_copy.AVAILABLE, "loaderd/native/gather_rows.c was not built (is gcc there?)"
+    assert row_copy.AVAILABLE, "loaderd/gather_rows.c was not built (is gcc there?)"
 
 
 @pytest.mark.parametrize("stream", [False, True])
