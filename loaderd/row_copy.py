@@ -74,14 +74,14 @@ def gather(records: Sequence[bytes | memoryview], outs: Rows) -> bool:
     """``prefetch.gather_rows`` in one compiled call; False: not built, nothing was copied.
 
     Args:
-        records: the batch's records, each at least as long as every ``offset + width``.
+        records: the batch's records (at least one), each as long as every ``offset + width``.
         outs: (``out``, ``offset``, ``width``): ``out`` holds ``len(records)`` rows of ``width``.
 
     Raises:
         ValueError: see ``_arguments``.
     """
-    if _LIB is None or not records or not outs:
-        return _LIB is not None
+    if _LIB is None:
+        return False
     sources, table = _arguments(records, outs)
     nbytes = len(records) * sum(w for _, _, w in outs)
     _LIB.loaderd_gather_rows(
