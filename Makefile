@@ -13,7 +13,7 @@ TYPES   := build/typecheck
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py loaderd/gather_rows.c
+$(STAMP): pyproject.toml setup.py loaderd/gather_rows.c storage/read_rows.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the CPU wheel is local; an unpinned torch pulls gigabytes of CUDA.

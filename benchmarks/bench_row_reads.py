@@ -9,7 +9,9 @@ Three ways, in alternating runs over records this process has not read before:
 * map, first touch: slices of the store's map (``SampleStore.views_at``), as a worker's first
   pass: every page is mapped into the process as it is read;
 * map, mapped: the same records again, their pages mapped already (a later pass);
-* preadv into rows: ``SampleStore.read_rows`` (``storage/row_reads.py``), nothing mapped.
+* preadv into rows: ``SampleStore.read_rows`` (``storage/row_reads.py``), nothing mapped,
+  its loop compiled (``storage/read_rows.c``) where the extension is built;
+* preadv into rows, Python loop: the same with the library set aside.
 
 Prints one JSON line per configuration and writes ``results/row_reads.{json,md}``.
 
@@ -32,12 +34,13 @@ from _baselines import evict, warm
 from _timing import machine, make_store, write_results  # the script's folder is on sys.path
 
 from loaderd.prefetch import BatchWriter, fresh
+from loaderd.storage import row_reads
 from loaderd.storage.store import SampleStore
 
 HERE = Path(__file__).resolve().parent
 BATCH = 64
 RUNS = 3
-WAYS = ("map, first touch", "map, mapped", "preadv into rows")
+WAYS = ("map, first touch", "map, mapped", "preadv into rows", "preadv into rows, Python loop")
 
 
 def read_in_random_order(db: Path, store: SampleStore) -> None:
@@ -61,17 +64,23 @@ def per_record_us(store: SampleStore, ids: np.ndarray, way: str) -> float:
     weights = np.ones(BATCH, np.float32)
     for f in frames:
         np.frombuffer(f, np.uint8)[:] = 0
+    compiled = row_reads._LIB
+    if way.endswith("Python loop"):
+        row_reads._LIB = None
     c0 = time.process_time()
-    for lo in range(0, len(ids) - BATCH + 1, BATCH):
-        batch = ids[lo : lo + BATCH]
-        spans = store.sliceable_spans(batch)
-        assert spans is not None
-        if way == "preadv into rows":
-            writer.fill_read(batch, weights, frames, partial(store.read_rows, batch, *spans))
-        else:
-            with store.views_at(batch, *spans) as records:
-                writer.fill(batch, weights, records, [], frames)
-    return (time.process_time() - c0) / (len(ids) // BATCH * BATCH) * 1e6
+    try:
+        for lo in range(0, len(ids) - BATCH + 1, BATCH):
+            batch = ids[lo : lo + BATCH]
+            spans = store.sliceable_spans(batch)
+            assert spans is not None
+            if way.startswith("preadv"):
+                writer.fill_read(batch, weights, frames, partial(store.read_rows, batch, *spans))
+            else:
+                with store.views_at(batch, *spans) as records:
+                    writer.fill(batch, weights, records, [], frames)
+        return (time.process_time() - c0) / (len(ids) // BATCH * BATCH) * 1e6
+    finally:
+        row_reads._LIB = compiled
 
 
 def bench_size(root: Path, sample_bytes: int, store_mb: int) -> list[dict[str, Any]]:
@@ -94,7 +103,8 @@ def bench_size(root: Path, sample_bytes: int, store_mb: int) -> list[dict[str, A
                 other = order[(2 * r + 1) * per_run : (2 * r + 2) * per_run]
                 times["map, first touch"].append(per_record_us(store, mine, "map"))
                 times["map, mapped"].append(per_record_us(store, mine, "map"))
-                times["preadv into rows"].append(per_record_us(store, other, "preadv into rows"))
+                for way in WAYS[2:]:  # nothing mapped: the same records for both loops
+                    times[way].append(per_record_us(store, other, way))
             for way in WAYS:
                 row = {
                     "sample_bytes": sample_bytes,

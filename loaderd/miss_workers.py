@@ -53,7 +53,7 @@ import numpy as np
 from loaderd.client.shm import ShmRing, layout_bytes, slot_layout
 from loaderd.prefetch import Allocate, Batch, BatchWriter
 from loaderd.shm_delivery import BlankSlot, RingAllocator
-from loaderd.storage.row_reads import MIN_BYTES
+from loaderd.storage.row_reads import worth_reading
 from loaderd.storage.store import SampleStore
 from loaderd.storage.tiers import ArenaLoan, TierStack
 
@@ -635,7 +635,9 @@ def reads_rows(writer: BatchWriter, lengths: np.ndarray) -> bool:
     sliced as before, where its checksum reports it without a buffer sized by the damage.
     """
     size = writer.layout.record_bytes
-    return size is not None and size >= MIN_BYTES and bool(len(lengths) and (lengths == size).all())
+    if size is None or not worth_reading(size):
+        return False
+    return bool(len(lengths) and (lengths == size).all())
 
 
 def _slot_frames(ring: ShmRing, slot: int, sizes: list[int]) -> list[memoryview] | None:

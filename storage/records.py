@@ -34,7 +34,8 @@ from loaderd.storage.checksum import xxh3_64, xxh3_64_all
 from loaderd.storage.errors import CorruptRecordError
 
 RECORD_HEADER = struct.Struct("<QII")
-_HEADERS = np.dtype([("digest", "<u8"), ("length", "<u4"), ("version", "<u4")])
+# ``RECORD_HEADER`` as a numpy record: a batch's headers checked as one array.
+HEADER_DTYPE = np.dtype([("digest", "<u8"), ("length", "<u4"), ("version", "<u4")])
 RECORD_VERSION = 1  # as encoded: the checksum of the body alone
 STORED_VERSION = 2  # as stored: the checksum seeded with the sample id (``stamp``)
 _ALIGN = 8
@@ -416,7 +417,7 @@ def verify_all(
     if len(joined) != n * head:  # a record shorter than its header: ``verify`` names it
         for v, sid in zip(views, ids, strict=True):
             verify(v, int(sid), where)
-    headers = np.frombuffer(joined, _HEADERS)
+    headers = np.frombuffer(joined, HEADER_DTYPE)
     bodies = [v[head:] for v in views]
     lengths = np.fromiter(map(len, bodies), np.int64, n)
     version = headers["version"]

@@ -10,9 +10,21 @@ order, while they are still in the CPU's cache. One call per record, and a cold 
 pages are read in one request rather than one fault after another.
 
 It pays for large records only (``benchmarks/bench_row_reads.py``, CPU per record on this
-project's 2-core VMs, two runs): 100 KB records took 14-27 % less than through the map, 300 KB
-3-13 % less; 50 KB records 3-15 % more and 3 KB records 60 % more (the Python around each call
-outweighs the faults it saves). So records under ``MIN_BYTES`` are sliced as before.
+project's 2-core VMs). From Python: 100 KB records took 14-27 % less than through the map,
+300 KB 3-13 % less; 50 KB records 3-15 % more and 3 KB records 60 % more (the Python around
+each call outweighs the faults it saves). With the loop compiled (below), 100 KB records
+took 22 us against 30-34 through the map and 26 from Python, 20 KB records 8.6-9.8 against
+9.3-11.3, while 8 KB records still lost (7.0-7.4 against 6.7-6.8). So records under
+16 KiB compiled, 64 KiB from Python (``worth_reading``), are sliced as before.
+
+The loop over a batch's records runs in C (``storage/read_rows.c``, built as an optional
+extension, loaded with ``ctypes.PyDLL``): the ``preadv`` of each record and its hash over the
+pieces, with xxHash's own streaming functions from the library python-xxhash is built with.
+In Python that loop cost ~10 us a record (the pieces' list, the call, the hasher and its
+updates), a quarter of a worker's CPU on a warm 100 KB miss. The checks stay here: the
+headers and digests come back as arrays and are compared in one numpy expression. A record
+whose header says it was sealed as encoded (seed 0, not its id) is read again by the Python
+loop, as is every record where the library was not built.
 Only a caller that knows each record's place in the file (the value index) reads this way,
 and only records whose checksums name their samples, or whose place LMDB confirmed: a wrong
 offset must fail the checksum (``map_slices.py``).
@@ -20,19 +32,60 @@ offset must fail the checksum (``map_slices.py``).
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 import xxhash
+import xxhash._xxhash
 
 from loaderd.storage.errors import CorruptRecordError
-from loaderd.storage.records import RECORD_HEADER, RECORD_VERSION, STORED_VERSION
+from loaderd.storage.records import HEADER_DTYPE, RECORD_HEADER, RECORD_VERSION, STORED_VERSION
+from loaderd.storage.syscalls import address_of
 
-# Records at least this long are read with ``preadv`` (``SampleStore.read_rows``).
-MIN_BYTES = 64 << 10
+logger = logging.getLogger(__name__)
 
 Rows = Sequence[tuple[memoryview, int, int]]  # (out, offset in the record, width), as gather_rows
+
+
+class _Hasher(ctypes.Structure):
+    """xxHash's streaming XXH3-64, as ``read_rows.c``'s ``hasher_t``: five function addresses."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("create", "free", "reset", "update", "digest")]
+
+
+def _load() -> tuple[ctypes.PyDLL, _Hasher] | None:
+    spec = importlib.util.find_spec("loaderd.storage._read_rows")
+    if spec is None or spec.origin is None:
+        logger.info("the compiled record reader is not built: records are read from Python")
+        return None
+    try:
+        xxh = ctypes.PyDLL(xxhash._xxhash.__file__)
+        names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset_withSeed")
+        fns = [ctypes.cast(getattr(xxh, name), ctypes.c_void_p).value for name in names]
+        update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
+        fns += [ctypes.cast(f, ctypes.c_void_p).value for f in (update, xxh.XXH3_64bits_digest)]
+    except (OSError, AttributeError):
+        logger.info("xxHash's streaming XXH3 is not exported: records are read from Python")
+        return None
+    lib = ctypes.PyDLL(spec.origin)
+    p, n, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    lib.loaderd_read_records.argtypes = [i, n, p, p, p, p, n, p, n, p, p, p]
+    lib.loaderd_read_records.restype = ctypes.c_long
+    return lib, _Hasher(*fns)
+
+
+_LIB = _load()
+AVAILABLE = _LIB is not None
+
+
+def worth_reading(record_bytes: int) -> bool:
+    """Whether records this long are read into rows (``SampleStore.read_rows``), not sliced."""
+    return record_bytes >= (16 << 10 if _LIB is not None else 64 << 10)
 
 
 def read_rows(
@@ -59,17 +112,93 @@ def read_rows(
         CorruptRecordError: the first record (in row order) that is short, too short for its
             rows, or fails its header or checksum; rows already read hold their records.
     """
-    head = RECORD_HEADER.size
     order = sorted(rows, key=lambda r: r[1])
-    need = max((off + width for _, off, width in order), default=head)
+    need = max((off + width for _, off, width in order), default=RECORD_HEADER.size)
+    lengths = np.asarray(lengths, np.int64)
+    short = np.flatnonzero(lengths < need)
+    upto = int(short[0]) if len(short) else len(ids)  # records before the first too short
+    read = _read_python if _LIB is None else partial(_read_compiled, _LIB)
+    read(fd, ids[:upto], offsets[:upto], lengths[:upto], order, need, where)
+    if upto < len(ids):
+        raise CorruptRecordError(
+            int(ids[upto]), where, f"record of {int(lengths[upto])} bytes, its fields need {need}"
+        )
+
+
+def _read_compiled(
+    lib: tuple[ctypes.PyDLL, _Hasher],
+    fd: int,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    order: Rows,
+    need: int,
+    where: str,
+) -> None:
+    """``read_rows`` of records at least ``need`` long, the loop in C, the checks here."""
+    n = len(ids)
+    if n == 0:
+        return
+    fn, hasher = lib
+    head = RECORD_HEADER.size
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    lengths = np.ascontiguousarray(lengths, np.int64)
+    seeds = np.ascontiguousarray(ids, np.int64).view(np.uint64)
+    table = np.empty((len(order), 3), np.uint64)
+    for k, (out, off, width) in enumerate(order):
+        if out.readonly or not out.contiguous or out.nbytes < n * width:
+            raise ValueError("rows are read into writable, contiguous frames of every row")
+        table[k] = (address_of(out), off, width)
+    headers = np.empty(n, HEADER_DTYPE)
+    digests = np.empty(n, np.uint64)
+    scratch = np.empty(max(int(lengths.max()), need), np.uint8)
+    done = fn.loaderd_read_records(
+        fd, n, offsets.ctypes.data, lengths.ctypes.data, seeds.ctypes.data,
+        headers.ctypes.data, head, table.ctypes.data, len(order), scratch.ctypes.data,
+        ctypes.byref(hasher), digests.ctypes.data,
+    )  # fmt: skip
+    if done < 0:
+        raise OSError(-done, f"reading records of {where}: {os.strerror(-done)}")
+    read = slice(0, done)
+    version = headers["version"][read]
+    damaged = (headers["length"][read] != lengths[read] - head) | (
+        (version != STORED_VERSION) & (version != RECORD_VERSION)
+    )
+    failed = damaged | ((version == STORED_VERSION) & (headers["digest"][read] != digests[read]))
+    # Sealed as encoded (seed 0): read again and checked record by record, a rare store.
+    unseeded = np.flatnonzero(~damaged & (version == RECORD_VERSION))
+    first = int(np.argmax(failed)) if failed.any() else done
+    for i in unseeded[unseeded < first].tolist():
+        one = slice(i, i + 1)
+        _read_python(fd, ids[one], offsets[one], lengths[one], _row(order, i), need, where)
+    if first < done:
+        if damaged[first]:
+            raise CorruptRecordError(int(ids[first]), where, "record header is damaged")
+        raise CorruptRecordError(int(ids[first]), where)
+    if done < n:
+        raise CorruptRecordError(int(ids[done]), where, "record runs past the end of data.mdb")
+
+
+def _row(order: Rows, i: int) -> list[tuple[memoryview, int, int]]:
+    """Row ``i`` of each out, as the outs of a batch of one."""
+    return [(out[i * width : (i + 1) * width], off, width) for out, off, width in order]
+
+
+def _read_python(
+    fd: int,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    order: Rows,
+    need: int,
+    where: str,
+) -> None:
+    """``read_rows`` of records at least ``need`` long, one at a time from Python."""
+    head = RECORD_HEADER.size
     scratch = memoryview(bytearray(max(int(lengths.max(initial=0)), need)))
     for i, (sid, start, length) in enumerate(
         zip(ids.tolist(), offsets.tolist(), lengths.tolist(), strict=True)
     ):
-        if length < need:
-            raise CorruptRecordError(
-                sid, where, f"record of {length} bytes, its fields need {need}"
-            )
         pieces = [scratch[:head]]
         pos = head
         for out, off, width in order:

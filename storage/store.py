@@ -274,7 +274,7 @@ class SampleStore:
         """Records at file offsets the daemon gave (``sliceable_spans``), read into ``rows``.
 
         ``preadv`` straight into the batch's rows, each record verified where it landed,
-        nothing mapped (``row_reads.py``): for records of ``row_reads.MIN_BYTES`` or more.
+        nothing mapped (``row_reads.py``): for records ``row_reads.worth_reading``.
 
         Raises:
             CorruptRecordError: the first record that fails, naming its sample and this store.

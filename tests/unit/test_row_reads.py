@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from loaderd.prefetch import BatchWriter, fresh
+from loaderd.storage import row_reads
 from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.records import RECORD_HEADER, Field, RecordCodec, Schema, seal, stamp
 from loaderd.storage.row_reads import read_rows
@@ -21,6 +22,19 @@ SCHEMA = Schema(
 )
 CODEC = RecordCodec(SCHEMA)
 N = 12
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: the loop in C (``read_rows.c``) and in Python, to the same end."""
+    if request.param == "python":
+        monkeypatch.setattr(row_reads, "_LIB", None)
+    return str(request.param)
+
+
+def test_the_install_builds_the_record_reader(loop: str) -> None:
+    # setup.py builds it as an optional extension: a failed build would go unnoticed.
+    assert row_reads.AVAILABLE
 
 
 def sample(i: int) -> dict[str, np.ndarray | int]:
@@ -80,23 +94,53 @@ def test_each_field_lands_in_its_row(tmp_path: Path) -> None:
         assert int(cols["label"][row]) == want["label"]
 
 
+@pytest.mark.parametrize("bad", [4, 3])  # sealed as stored (seeded with its id), as encoded
 @pytest.mark.parametrize(
     ("where", "message"),
     [
         (100, "checksum mismatch"),  # an image byte: it lands in a row
         (RECORD_HEADER.size + 20_000 + 12 + 1, "checksum mismatch"),  # padding, in no row
+        (RECORD_HEADER.size + 20_000 + 16 + 8 - 1, "checksum mismatch"),  # its last byte
         (8, "record header is damaged"),  # the body length
+        (12, "record header is damaged"),  # the version
     ],
 )
-def test_a_damaged_record_fails_naming_its_sample(tmp_path: Path, where: int, message: str) -> None:
+def test_a_damaged_record_fails_naming_its_sample(
+    tmp_path: Path, where: int, message: str, bad: int
+) -> None:
     path = tmp_path / "records"
     offsets, lengths = records_file(path)
     data = bytearray(path.read_bytes())
-    data[int(offsets[4]) + where] ^= 0x01
+    data[int(offsets[bad]) + where] ^= 0x01
     path.write_bytes(bytes(data))
-    ids = np.array([3, 4, 5], np.int64)
-    with pytest.raises(CorruptRecordError, match=f"sample 4: {message} in test file"):
+    ids = np.array([2, bad, 5, bad + 6], np.int64)
+    with pytest.raises(CorruptRecordError, match=f"sample {bad}: {message} in test file"):
         read(path, ids, offsets[ids], lengths[ids])
+
+
+def test_the_first_failing_record_in_row_order_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    data = bytearray(path.read_bytes())
+    data[int(offsets[6]) + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+    ids = np.array([1, 6, 8, N - 1], np.int64)
+    offsets, lengths = offsets[ids], lengths[ids]
+    lengths[2] -= 100  # too short for its rows: checked before any read
+    offsets[3] += 100  # runs past the end of the file
+    with pytest.raises(CorruptRecordError, match="sample 6: checksum mismatch"):
+        read(path, ids, offsets, lengths)
+    with pytest.raises(CorruptRecordError, match=r"sample 8: record of .* its fields need"):
+        read(path, ids[[0, 2, 1]], offsets[[0, 2, 1]], lengths[[0, 2, 1]])
+    with pytest.raises(CorruptRecordError, match=r"sample 11: record runs past the end"):
+        read(path, ids[[0, 3, 1]], offsets[[0, 3, 1]], lengths[[0, 3, 1]])
+
+
+def test_a_file_that_cannot_be_read_raises_oserror(tmp_path: Path) -> None:
+    offsets, lengths = records_file(tmp_path / "records")
+    ids = np.array([0, 1], np.int64)
+    with pytest.raises(OSError, match="Is a directory"):
+        read(tmp_path, ids, offsets[ids], lengths[ids])
 
 
 def test_another_samples_record_fails_its_checksum(tmp_path: Path) -> None:
@@ -150,7 +194,7 @@ def test_the_store_reads_rows_as_lmdb_returns_them(tmp_path: Path) -> None:
         assert store.corrupt == 1
 
 
-def test_a_worker_reads_into_rows_only_large_records_of_their_schemas_length() -> None:
+def test_a_worker_reads_into_rows_only_large_records_of_their_schemas_length(loop: str) -> None:
     from loaderd.miss_workers import reads_rows
 
     big = BatchWriter(Schema((Field("image", "uint8", (70_000,)), Field("label", "int64"))))
@@ -161,7 +205,30 @@ def test_a_worker_reads_into_rows_only_large_records_of_their_schemas_length() -
     # never a buffer sized by the damage.
     assert not reads_rows(big, np.array([size, 1 << 30, size]))
     assert not reads_rows(big, np.array([], np.int64))
-    small = BatchWriter(Schema((Field("image", "uint8", (20_000,)),)))
+    small = BatchWriter(Schema((Field("image", "uint8", (8_000,)),)))
     assert not reads_rows(small, np.full(4, small.layout.record_bytes or 0))
+    mid = BatchWriter(Schema((Field("image", "uint8", (20_000,)),)))  # the loop compiled only
+    assert reads_rows(mid, np.full(4, mid.layout.record_bytes or 0)) == (loop == "compiled")
     var = BatchWriter(Schema((Field("image", "uint8", (70_000,)), Field("tag", "binary"))))
     assert not reads_rows(var, np.full(4, 70_100))
+
+
+def test_bytes_past_the_last_row_are_hashed_not_kept(tmp_path: Path) -> None:
+    # Rows of the image alone: coords, padding and label are read and checked, not kept.
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    ids = np.array([7, 2], np.int64)
+    out = memoryview(bytearray(len(ids) * 20_000))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_rows(fd, ids, offsets[ids], lengths[ids], [(out, RECORD_HEADER.size, 20_000)], "f")
+        images = np.frombuffer(out, np.uint8).reshape(len(ids), -1)
+        for row, i in enumerate(ids.tolist()):
+            np.testing.assert_array_equal(images[row], sample(i)["image"])
+        data = bytearray(path.read_bytes())
+        data[int(offsets[2] + lengths[2]) - 1] ^= 0x01  # the label's last byte
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptRecordError, match="sample 2: checksum mismatch"):
+            read_rows(fd, ids, offsets[ids], lengths[ids], [(out, RECORD_HEADER.size, 20_000)], "f")
+    finally:
+        os.close(fd)
