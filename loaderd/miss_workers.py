@@ -635,7 +635,7 @@ def reads_rows(writer: BatchWriter, lengths: np.ndarray) -> bool:
     sliced as before, where its checksum reports it without a buffer sized by the damage.
     """
     size = writer.layout.record_bytes
-    if size is None or not worth_reading(size):
+    if size is None or not worth_reading(size, len(writer.layout.fixed)):
         return False
     return bool(len(lengths) and (lengths == size).all())
 

@@ -16,7 +16,7 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 
-#define MAX_PIECES 256
+#define MAX_PIECES 1024 /* IOV_MAX: row_reads.MAX_PIECES */
 
 typedef struct {
     uint64_t dst, offset, width; /* a field's frame, sorted by offset, disjoint, past the header */
@@ -53,11 +53,12 @@ static int read_all(int fd, struct iovec *iov, int count, size_t total, off_t at
 
 /* Returns n when every record was read; i < n when record i runs past the end of the file
  * (records before it are read and hashed); -errno when a read failed; -EINVAL when the fields
- * need more pieces than one call takes, -ENOMEM when no hash state could be made. */
+ * need more pieces than one call takes (as preadv would), -ENOMEM when no hash state could be
+ * made. */
 long loaderd_read_records(int fd, size_t n, const int64_t *offsets, const int64_t *lengths,
                           const uint64_t *seeds, char *headers, size_t head, const out_t *outs,
                           size_t nouts, char *scratch, const hasher_t *h, uint64_t *digests) {
-    struct iovec pieces[MAX_PIECES], iov[MAX_PIECES];
+    static __thread struct iovec pieces[MAX_PIECES], iov[MAX_PIECES]; /* 32 KB: off the stack */
     if (2 * nouts + 2 > MAX_PIECES)
         return -EINVAL;
     void *state = h->create();

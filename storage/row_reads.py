@@ -83,8 +83,15 @@ _LIB = _load()
 AVAILABLE = _LIB is not None
 
 
-def worth_reading(record_bytes: int) -> bool:
-    """Whether records this long are read into rows (``SampleStore.read_rows``), not sliced."""
+# Pieces one ``preadv`` takes (Linux's IOV_MAX; ``read_rows.c`` has the same bound): a record
+# is its header, each field's row and the gaps between them.
+MAX_PIECES = 1024
+
+
+def worth_reading(record_bytes: int, fields: int) -> bool:
+    """Whether records this long, of this many fixed fields, are read into rows, not sliced."""
+    if 2 * fields + 2 > MAX_PIECES:
+        return False  # more pieces than one call takes
     return record_bytes >= (16 << 10 if _LIB is not None else 64 << 10)
 
 

@@ -232,3 +232,25 @@ def test_bytes_past_the_last_row_are_hashed_not_kept(tmp_path: Path) -> None:
             read_rows(fd, ids, offsets[ids], lengths[ids], [(out, RECORD_HEADER.size, 20_000)], "f")
     finally:
         os.close(fd)
+
+
+def test_fields_beyond_one_calls_pieces_are_sliced_not_read(tmp_path: Path, loop: str) -> None:
+    from loaderd.miss_workers import reads_rows
+
+    wide = Schema(tuple(Field(f"f{i}", "float32", (50,)) for i in range(600)))  # 120 KB
+    size = BatchWriter(wide).layout.record_bytes
+    assert size is not None
+    assert not reads_rows(BatchWriter(wide), np.full(4, size))
+    narrow = Schema(tuple(Field(f"f{i}", "float32", (50,)) for i in range(400)))
+    assert reads_rows(BatchWriter(narrow), np.full(4, BatchWriter(narrow).layout.record_bytes))
+    # Asked anyway, the read fails whole, as preadv does: no record is half read.
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    out = memoryview(bytearray(600 * 8))
+    rows = [(out[i * 8 : (i + 1) * 8], RECORD_HEADER.size + 20 * i, 8) for i in range(600)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="Invalid argument"):
+            read_rows(fd, np.array([0]), offsets[:1], lengths[:1], rows, "f")
+    finally:
+        os.close(fd)
