@@ -9,7 +9,7 @@ TYPES   := build/typecheck
 
 .PHONY: install demo test test-unit test-integration lint format typecheck bench \
         bench-importance bench-cache bench-throughput bench-sizes bench-load bench-hybrid \
-        bench-autotune bench-device clean
+        bench-autotune bench-device bench-cores clean
 
 install: $(STAMP)
 
@@ -49,7 +49,7 @@ lint: install typecheck
 	$(BIN)/ruff check loaderd client storage tests benchmarks
 
 bench: bench-importance bench-cache bench-throughput bench-sizes bench-load bench-hybrid \
-       bench-autotune bench-device
+       bench-autotune bench-device bench-cores
 
 bench-importance: install
 	$(BIN)/python benchmarks/bench_importance.py
@@ -69,6 +69,11 @@ bench-sizes: install
 # Where CUDA exists; elsewhere it says so and measures nothing.
 bench-device: install
 	$(BIN)/python benchmarks/bench_device.py
+
+# What more cores change: DataLoader workers against loaderd's miss workers (a node's figures).
+bench-cores: install
+	$(BIN)/pip install -q -e '.[bench]'
+	nice -n 19 $(BIN)/python benchmarks/bench_cores.py
 
 bench-load: install
 	$(BIN)/python benchmarks/bench_load.py
