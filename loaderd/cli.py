@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--miss-procs",
         type=int,
         default=PrefetchConfig().miss_procs,
-        help="worker processes that assemble batches missing DRAM into shared memory (0: none)",
+        help="worker processes that assemble batches missing DRAM into shared memory "
+        "(default: one per core, 2 to 4; 0: none)",
     )
     s.add_argument(
         "--shm-slots",

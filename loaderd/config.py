@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,20 @@ class CacheConfig:
         return self.nvram_bytes // 4
 
 
+def default_miss_procs() -> int:
+    """Miss worker processes for this machine: one per core the process may use, 2 to 4.
+
+    The server loop is one interpreter and keeps the books of every batch; the workers read
+    and hash beside it. On 16 cores (``benchmarks/results/cores_node.md``), 4 workers ran a
+    store four times DRAM 8-54 % faster than 2 in nine of ten comparisons of fresh daemons
+    (level in the tenth), and 6 or 8 were no faster than 4, the loop being the bound; on 2
+    cores (``cores.md``), the medians of three alternating pairs were 6-10 % higher with 4 at
+    100 KB, level at 3 KB: there 2 are kept, leaving a trainer's own work its share of the
+    two cores (and the test suite its pace).
+    """
+    return min(4, max(2, len(os.sched_getaffinity(0))))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrefetchConfig:
     """How far ahead of demand batches are assembled, and by how many threads."""
@@ -80,7 +95,7 @@ class PrefetchConfig:
     depth: int = 8  # batches assembled ahead of the first unassigned one, per rank and pass
     workers: int = 2  # assembly threads (LMDB reads and checksums release the GIL)
     # Worker processes that assemble batches missing DRAM into shm slots (loaderd.miss_workers)
-    miss_procs: int = 2
+    miss_procs: int = field(default_factory=default_miss_procs)
     # Store bytes asked of the kernel ahead of the passes (loaderd.readahead); 0: off.
     readahead_bytes: int = 256 << 20
 

@@ -16,6 +16,7 @@ import pytest
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
 from loaderd.client.protocol import PROTOCOL_VERSION, MsgType
+from loaderd.config import default_miss_procs
 from loaderd.miss_workers import PIPELINE
 from loaderd.shm_ring import process_alive
 from loaderd.storage.records import Field, RecordCodec, Schema
@@ -75,11 +76,15 @@ def test_records_workers_read_are_held_in_the_daemons_locked_map(
         ds.close()
 
 
-def with_workers(d: Daemon, job: str, batch_size: int) -> LoaderdDataset:
-    """A dataset of ``job`` that said HELLO (which starts the workers), once both run."""
+def with_workers(d: Daemon, job: str, batch_size: int, procs: int = 0) -> LoaderdDataset:
+    """A dataset of ``job`` that said HELLO (which starts the workers), once all run.
+
+    ``procs``: the daemon's ``--miss-procs``; 0: its default.
+    """
     ds = LoaderdDataset(d.address, job=job, batch_size=batch_size)
     ds.connect()
-    wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+    procs = procs or default_miss_procs()
+    wait_until(lambda: stats(d.address)["miss_workers"]["running"] == procs)
     return ds
 
 
@@ -101,7 +106,7 @@ def test_a_killed_miss_worker_is_replaced_and_no_sample_is_lost(
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
         ds = LoaderdDataset(d.address, job="kill", batch_size=8)
         assert sorted(check_epoch(ds, store[1])) == list(range(N))
-        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == default_miss_procs())
         before = stats(d.address)["miss_workers"]
         assert before["pids"]
         for pid in before["pids"]:
@@ -124,10 +129,10 @@ def test_miss_workers_exit_with_their_daemon(
     with d:
         ds = LoaderdDataset(d.address, job="exit", batch_size=8)
         check_epoch(ds, store[1])
-        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == 2)
+        wait_until(lambda: stats(d.address)["miss_workers"]["running"] == default_miss_procs())
         workers = stats(d.address)["miss_workers"]
         pids = [*workers["pids"], workers["forker"]]
-        assert len(pids) == 3 and all(process_alive(pid) for pid in pids)
+        assert len(pids) == default_miss_procs() + 1 and all(process_alive(p) for p in pids)
         ds.close()
         d.kill()  # SIGKILL: no shutdown code runs
         for pid in pids:
@@ -140,9 +145,9 @@ def test_batches_a_stopped_worker_holds_are_served_when_it_is_killed(
     # Each worker holds up to two batches (one it assembles, one waiting in its socket).
     # Both workers stopped, the first batches of a pass go to them and wait; killed, every
     # batch they held is assembled by the daemon, and the pass is still exactly once.
-    extra = ["--dram-bytes", "256KiB"]
+    extra = ["--dram-bytes", "256KiB", "--miss-procs", "2"]
     with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
-        ds = with_workers(d, "stop", 8)
+        ds = with_workers(d, "stop", 8, procs=2)
         pids = stats(d.address)["miss_workers"]["pids"]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
@@ -176,7 +181,8 @@ def test_batches_dropped_while_workers_hold_them_give_their_slots_back(
     # The workers are stopped while they hold the batches a pass assembles ahead, and the
     # job is reset meanwhile: the batches are dropped under way. Once the workers answer,
     # their slots must come back (a ring that leaked them would run dry).
-    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "256KiB"]) as d:
+    extra = ["--dram-bytes", "256KiB", "--miss-procs", "2"]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
         with Connection(d.address) as conn:
             hello = {
                 "job": "drop",

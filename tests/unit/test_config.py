@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from loaderd.config import CacheConfig, DaemonConfig, PrefetchConfig, parse_size
+from loaderd.config import (
+    CacheConfig,
+    DaemonConfig,
+    PrefetchConfig,
+    default_miss_procs,
+    parse_size,
+)
 from loaderd.importance import ImportanceConfig
 
 
@@ -69,6 +76,17 @@ def test_prefetch_config_names_the_field(kwargs: dict[str, int], pattern: str) -
 
 def test_prefetch_config_accepts_bounds() -> None:
     assert PrefetchConfig(depth=0, workers=1) == PrefetchConfig(depth=0, workers=1)
+
+
+@pytest.mark.parametrize(("cores", "procs"), [(1, 2), (2, 2), (3, 3), (4, 4), (16, 4), (64, 4)])
+def test_miss_workers_scale_with_the_cores_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch, cores: int, procs: int
+) -> None:
+    # This machine's own count is below; larger ones are what a node of a cluster has.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert default_miss_procs() == procs
+    assert PrefetchConfig().miss_procs == procs
+    assert PrefetchConfig(miss_procs=1).miss_procs == 1  # asked for, not scaled
 
 
 def daemon(socket: str) -> DaemonConfig:
