@@ -27,9 +27,15 @@ Rows = Sequence[tuple[memoryview, int, int]]  # (out, offset, width): a field's 
 # A batch at least this large is streamed to memory: it is written back from the cache
 # before the trainer reads it in any case, a few batches later.
 STREAM_BYTES = 1 << 20
-# One thread per this many bytes of rows, up to ``THREADS``: a thread costs ~30 us to start.
-THREAD_BYTES = 2 << 20
-THREADS = min(4, len(os.sched_getaffinity(0)))
+# One thread per this many bytes of rows, up to ``THREADS``: a thread costs ~30 us to start,
+# and where cores are few it takes one from the daemon's other work. On 16 cores, 512 KiB a
+# thread and up to 8 served 100 KB hits at 84k, 71k and 79k samples/s against 66k, 63k and
+# 79k with 2 MiB and up to 4 (alternating fresh daemons; ``docs/design.md``, "On a machine
+# of many cores"); on 2 cores 512 KiB split 20 KB hits' 1.3 MB batches in two and ran them
+# at 49-71k samples/s against 64-77k (hit epochs of three alternating pairs).
+_CORES = len(os.sched_getaffinity(0))
+THREAD_BYTES = 512 << 10 if _CORES >= 8 else 2 << 20
+THREADS = min(8, _CORES)
 
 
 def _load() -> ctypes.PyDLL | None:
