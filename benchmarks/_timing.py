@@ -81,6 +81,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+def header(title: str, info: dict[str, Any], command: str) -> list[str]:
+    """A results file's first lines: its title, the machine (from ``machine``) and the command."""
+    return [
+        f"# {title}",
+        "",
+        f"Machine: {info['nproc']} CPUs, {info['cpu']}, {info['ram_gib']} GiB RAM, "
+        f"Python {info['python']}, torch {info['torch']}, Linux {info['kernel']}, "
+        f"load average {info['loadavg_1m']} at the start.",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
+
+
 def make_store(root: Path, n: int, sample_bytes: int) -> Path:
     """A store of ``n`` samples (``image``: uint8 [sample_bytes], ``label``), built once.
 

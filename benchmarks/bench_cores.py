@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from _baselines import BATCH, dataloader, held_in_cache
-from _timing import machine, make_store, write_results
+from _timing import header, machine, make_store, write_results
 from bench_throughput import Context, one_trainer
 
 HERE = Path(__file__).resolve().parent
@@ -92,13 +92,7 @@ def bench_size(ctx: Context, n: int, sample_bytes: int) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> str:
     out = [
-        "# What a machine's cores change",
-        "",
-        f"Machine: {info['nproc']} CPUs, {info['cpu']}, {info['ram_gib']} GiB RAM, "
-        f"Python {info['python']}, torch {info['torch']}, Linux {info['kernel']}.",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header("What a machine's cores change", info, command),
         f"Batch size {BATCH}; the page cache held warm; samples/s timed from each epoch's first "
         "batch. A loaderd row is the median of its fresh daemons (each one's under runs), "
         "'vs DataLoader' against the best DataLoader of this run at that size.",

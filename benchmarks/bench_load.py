@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from _timing import machine, make_store, write_results  # the script's folder is on sys.path
+from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
 
 HERE = Path(__file__).resolve().parent
 BATCH = 64
@@ -481,14 +481,7 @@ def sigstop_report(
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str, n: int) -> str:
     out = [
-        "# Load: 16 clients against one daemon",
-        "",
-        f"Machine: {info['nproc']} CPUs, {info['cpu']}, {info['ram_gib']} GiB RAM, "
-        f"Python {info['python']}, Linux {info['kernel']} (1-minute load average "
-        f"{info['loadavg_1m']} before the run: a shared machine).",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header("Load: 16 clients against one daemon", info, command),
         f"{n:,} samples of 3,000 bytes + an int64 label, batch size {BATCH}, uniform sampler. "
         "Each client process is one consumer (worker) of one rank of one job and sends one "
         "loss per sample back. Latency: from asking for the next batch to holding it, timed in "

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from _baselines import evict, warm
-from _timing import machine, make_store, write_results  # the script's folder is on sys.path
+from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
 
 from loaderd.prefetch import BatchWriter, fresh
 from loaderd.storage import row_reads
@@ -121,13 +121,7 @@ def bench_size(root: Path, sample_bytes: int, store_mb: int) -> list[dict[str, A
 def markdown(info: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
     def render(command: str) -> str:
         lines = [
-            "# A miss worker's reads: map slices against preadv into rows",
-            "",
-            f"Machine: {info['nproc']} CPUs, {info['cpu']}, {info['ram_gib']} GiB RAM, "
-            f"Python {info['python']}, Linux {info['kernel']}, load {info['loadavg_1m']}.",
-            "",
-            f"Command: `{command}`",
-            "",
+            *header("A miss worker's reads: map slices against preadv into rows", info, command),
             "CPU microseconds per record to verify it and copy its fields into a batch's rows "
             f"(batches of {BATCH}; median of {RUNS} alternating runs over records not read "
             "before in that state).",

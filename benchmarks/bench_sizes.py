@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from _baselines import dataloader
-from _timing import machine, make_store, write_results  # the script's folder is on sys.path
+from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
 from bench_throughput import Context, one_trainer
 
 HERE = Path(__file__).resolve().parent
@@ -65,14 +65,7 @@ def bench_one(ctx: Context, size: int, store_mb: int, epochs: int) -> dict[str, 
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> str:
     lines = [
-        "# Warm throughput across sample sizes",
-        "",
-        f"Machine: {info['nproc']} CPUs, {info['cpu']}, {info['ram_gib']} GiB RAM, Python "
-        f"{info['python']}, torch {info['torch']}, Linux {info['kernel']}, load average "
-        f"{info['loadavg_1m']} at the start.",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header("Warm throughput across sample sizes", info, command),
         "Samples/s, batch 64, the store held in the page cache; in brackets the ratio to the "
         "best DataLoader (num_workers 0 or 2) of the same run. Warm miss: a fresh daemon's "
         "first epoch (DRAM empty); hit: its best later epoch; larger than DRAM: the last of "

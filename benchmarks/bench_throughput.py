@@ -59,7 +59,7 @@ from _baselines import (
     top_frames,
     write_mds,
 )
-from _timing import machine, make_store, write_results  # the script's folder is on sys.path
+from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
 
 HERE = Path(__file__).resolve().parent
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -488,14 +488,7 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> str:
     out = [
-        "# Data path throughput",
-        "",
-        f"Machine: {info['nproc']} CPUs, {info['cpu']}, {info['ram_gib']} GiB RAM, "
-        f"Python {info['python']}, torch {info['torch']}, Linux {info['kernel']}, "
-        f"load average {info['loadavg_1m']} at the start.",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header("Data path throughput", info, command),
         f"Batch size {BATCH}; samples/s timed from each epoch's first batch. A row that is "
         "a fresh daemon's first epoch (cold, warm miss) is the best of several fresh daemons, "
         "as a DataLoader's is the best of its epochs; a steady state (hit, larger than DRAM) "
