@@ -41,6 +41,9 @@ COUNTERS = frozenset(
         "advised_records",
         "delivered",
         "fallbacks",
+        "turns",  # the server loop's (``loop_clock``)
+        "busy_s",
+        "waited_s",
     }
 )
 # Sections whose keys are names (a tier, a job), which become a label.

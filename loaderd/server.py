@@ -49,6 +49,7 @@ from loaderd.job_admin import remove_job_dir, sweep
 from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
 from loaderd.journal import JournalWriteError
 from loaderd.limits import check_hello, check_request_size, check_rewind
+from loaderd.loop_clock import LoopClock
 from loaderd.miss_workers import Forker, MissWorkers
 from loaderd.outbox import After, Outbox
 from loaderd.outstanding import Outstanding, still_out_in
@@ -99,6 +100,7 @@ class Server:
         self.config = config
         self.job_defaults = config.importance
         self.started = time.monotonic()
+        self.loop_clock = LoopClock()  # serve starts it afresh
         # Names this run of the daemon in WELCOME and each BATCH: a client whose requests
         # reached a restarted daemon without a HELLO sees a new name and says HELLO again.
         self.instance = secrets.token_hex(8)
@@ -221,24 +223,30 @@ class Server:
             self.config.socket,
         )
         next_tick = time.monotonic() + _TICK_S
+        clock = self.loop_clock = LoopClock()
         try:
             while not stop.is_set():
                 timeout = 0 if self.inbox else int(_TICK_S * 1000)  # requests still wait
+                clock.polling()
                 events = dict(poller.poll(timeout=timeout))
+                clock.polled()
                 if self.sock in events or self.inbox:
                     self.inbox.receive(self.sock, self._send)  # past a backlog: refused
                     for frames in self.inbox.turn():  # bounded, so completions are never starved
                         self._dispatch(frames)
                     self._commit()
+                    clock.mark("requests")
                 if self.prefetcher.wake_fd in events:
                     for key in self.prefetcher.completed():
                         self._deliver(BatchKey(*key))
                 for key in self.prefetcher.landed(events):
                     self._deliver(BatchKey(*key))
+                clock.mark("assembled")
                 if self.cluster is not None:
                     self._cluster_turn(self.cluster.wake_fd in events)
                 if time.monotonic() >= next_tick:
                     self._tick()
+                    clock.sample()
                     next_tick = time.monotonic() + _TICK_S
                 if self.autotune is not None:
                     self.autotune.turn(self._waiting)
@@ -768,6 +776,7 @@ class Server:
         out["snapshots"] = self.snapshots.stats()
         out["fair_share"] = self.inbox.stats()
         out["consumers"] = {"tracked": len(self.consumers), "gone": self.consumers.gone_total}
+        out["loop"] = self.loop_clock.stats()
         out["state_disk"] = STATE_DISK.stats()
         if self.cluster is not None:
             out["cluster"] = self.cluster.stats()

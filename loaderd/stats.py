@@ -107,6 +107,7 @@ def format_table(stats: dict[str, Any]) -> str:
         ],
     )
     out += _read_path_rows(stats.get("readahead"), stats.get("miss_workers"))
+    out += _loop_rows(stats.get("loop"))
     shm = stats.get("shm")
     if shm and (shm.get("rings") or shm.get("socket_jobs")):
         fallbacks = (
@@ -214,6 +215,22 @@ def _read_path_rows(ra: dict[str, Any] | None, workers: dict[str, Any] | None) -
             ],
         )
     return out
+
+
+def _loop_rows(loop: dict[str, Any] | None) -> list[str]:
+    """How busy the server loop was lately, and on what (``loaderd.loop_clock``)."""
+    if not loop or loop.get("busy_share") is None:
+        return []
+    busy = loop["busy_share"]
+    note = "  (one interpreter: near 100% it bounds misses, not the disk)" if busy >= 0.9 else ""
+    shares = ", ".join(f"{p.replace('_', ' ')} {v:.0%}" for p, v in loop["shares"].items())
+    return _rows(
+        "server loop",
+        [
+            ("busy", f"{busy:.0%} of the last {loop['window_s']:.0f} s{note}"),
+            ("on", shares),
+        ],
+    )
 
 
 def _importance_rows(imp: dict[str, Any]) -> list[tuple[str, str]]:

@@ -56,6 +56,11 @@ def test_misses_from_worker_processes_are_the_stores_bytes(
         # The records the workers read were admitted into DRAM, and hit there later.
         assert dram["items"] > 0 and dram["hits"] > 0
         assert s["backing"]["reads"] == dram["misses"]
+        # The loop's clock saw those turns: its phases share what it was busy with.
+        loop = s["loop"]
+        assert loop["turns"] > 0 and loop["busy_s"] > 0 and 0 < loop["busy_share"] <= 1
+        assert loop["shares"]["requests"] > 0 and loop["shares"]["assembled"] > 0
+        assert sum(loop["shares"].values()) == pytest.approx(1, abs=0.01)
         ds.close()
 
 

@@ -11,6 +11,7 @@ def test_stats_become_named_labelled_counters_and_gauges() -> None:
         "tiers": [{"name": "dram", "hits": 2}, {"name": "nvram", "hits": 1}],
         "jobs": {"a": {"samples_served": 7, "cursors": [1, 2]}, "b": {"samples_served": 1}},
         "readahead": {"busy": True},
+        "loop": {"busy_s": 2.5, "busy_share": None, "shares": {"requests": 0.5}},
         "uptime_s": 1.5,
     }
     got = {m.name: m for m in metrics_of(stats)}
@@ -23,6 +24,10 @@ def test_stats_become_named_labelled_counters_and_gauges() -> None:
     assert job == {"a": 7.0, "b": 1.0}
     assert got["loaderd_readahead_busy"].samples[0].value == 1.0
     assert got["loaderd_uptime_s"].samples[0].value == 1.5
+    # The server loop's busy seconds only grow (a rate is its busy share); shares are gauges.
+    assert isinstance(got["loaderd_loop_busy_s"], CounterMetricFamily)
+    assert got["loaderd_loop_shares_requests"].samples[0].value == 0.5
+    assert "loaderd_loop_busy_share" not in got, "no figure yet: no sample"
 
 
 def test_a_daemon_that_does_not_answer_reads_as_down() -> None:

@@ -236,3 +236,23 @@ def test_format_table_shows_the_cluster_view() -> None:
     assert lines[start + 1].split() == ["joined", "node", "0", "(a),", "node", "1", "(b)"]
     assert "epoch 3 (slowest rank), agreed 3:train, 4 of 4 ranks in round 25" in lines[start + 3]
     assert " ".join(lines[start + 5].split()) == "node 1 ranks 2,3 at 3:rescore, 1 done, 1 waiting"
+
+
+def test_format_table_says_how_busy_the_server_loop_was() -> None:
+    s = realistic_stats()
+    s["loop"] = {
+        "turns": 9_000,
+        "busy_s": 40.0,
+        "waited_s": 2.0,
+        "window_s": 10.2,
+        "busy_share": 0.97,
+        "shares": {"requests": 0.31, "assembled": 0.44, "other": 0.25},
+    }
+    lines = format_table(s).splitlines()
+    at = lines.index("server loop")
+    assert "97% of the last 10 s" in lines[at + 1] and "bounds misses" in lines[at + 1]
+    assert lines[at + 2].split(None, 1)[1] == "requests 31%, assembled 44%, other 25%"
+    s["loop"]["busy_share"] = 0.4  # far from saturated: no remark
+    assert "bounds misses" not in format_table(s)
+    s["loop"]["busy_share"] = None  # a daemon that has not served a turn
+    assert "server loop" not in format_table(s).splitlines()
