@@ -40,6 +40,13 @@ def own_copy(view: memoryview) -> Record:
     return out.data
 
 
+def own_copies(views: Sequence[Record]) -> list[Record]:
+    """``own_copy`` of each; when all are small, in one ``map``: no Python step per record."""
+    if max(map(len, views), default=0) < _COPY_UNLOCKED:
+        return list(map(bytes, views))
+    return [own_copy(memoryview(v)) for v in views]
+
+
 class DramCache:
     """A byte-bounded LRU map from sample id to record bytes. Thread-safe.
 
@@ -154,32 +161,48 @@ class DramCache:
             return True
 
     def put_many(self, held: dict[int, Held]) -> list[int]:
-        """``put`` of each record, in order, from what ``hold`` made of it, under one lock.
+        """``put`` of each record, in order, from what ``hold`` made of it (``put_all``)."""
+        pairs = held.values()
+        return self.put_all(list(held), [rec for rec, _ in pairs], [unpin for _, unpin in pairs])
+
+    def put_all(
+        self,
+        sample_ids: list[int],
+        records: list[Record],
+        unpins: list[Callable[[], None] | None] | None = None,
+    ) -> list[int]:
+        """``put`` of each record, in order, under one lock; ``unpins``: from ``hold``.
 
         The same records evicted as one ``put`` after another: the least recently used
         until the batch fits. A batch larger than the tier, or with a record held already
-        (a ``put`` replaces it in its turn), is put one record at a time.
+        (a ``put`` replaces it in its turn), is put one record at a time. Records of their
+        own (no ``unpins``) take no Python step each.
 
         Returns:
             The ids not admitted (too large for the tier; let go as ``put`` does).
         """
-        size = sum(len(rec) for rec, _ in held.values())
+        size = sum(map(len, records))
         items = self._items
         with self._lock:
-            whole = size <= self.capacity_bytes and items.keys().isdisjoint(held)
+            whole = size <= self.capacity_bytes and items.keys().isdisjoint(sample_ids)
             if whole:
                 while self.used_bytes + size > self.capacity_bytes:
                     self._drop(next(iter(items)))
                     self.evictions += 1
-                items.update((sid, rec) for sid, (rec, _) in held.items())
+                items.update(zip(sample_ids, records, strict=True))
                 self.used_bytes += size
-                for sid, (_, unpin) in held.items():
-                    if unpin is not None:
+                for sid, unpin in zip(sample_ids, unpins or [], strict=unpins is not None):
+                    if unpin is not None:  # (none given: records of their own, no step each)
                         self._unpin[sid] = unpin
                         self.pinned += 1
         if whole:
             return []
-        return [sid for sid, h in held.items() if not self.put(sid, h[0], h)]
+        pins = unpins if unpins is not None else [None] * len(records)
+        return [
+            sid
+            for sid, rec, unpin in zip(sample_ids, records, pins, strict=True)
+            if not self.put(sid, rec, (rec, unpin))
+        ]
 
     def discard(self, sample_id: int) -> Record | None:
         """Remove a record without counting an eviction; returns it, or None if absent."""

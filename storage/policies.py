@@ -27,11 +27,26 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import repeat
 from typing import ClassVar, Final
 
 import numpy as np
 
 Move = tuple[str, int, int]
+
+
+class Admitted(list[Move]):
+    """The moves of a batch admitted whole into one tier, in order, evicting nothing.
+
+    A list of moves like any other; ``ids`` and ``tier`` tell the tier stack it may admit
+    the records together (``TierStack._copy_all``) instead of move by move.
+    """
+
+    def __init__(self, sample_ids: list[int], tier: int) -> None:
+        super().__init__(zip(repeat("admit"), sample_ids, repeat(tier)))
+        self.ids = sample_ids
+        self.tier = tier
+
 
 DRAM: Final = 0
 ARENA: Final = 1
@@ -207,7 +222,7 @@ class Policy:
             if tiers[0] < 0:
                 return []
             self._add_many(sample_ids, sizes, tiers[0])
-            return [("admit", sid, tiers[0]) for sid in sample_ids]
+            return Admitted(sample_ids, tiers[0])
         if tiers is None:
             moves: list[Move] = []
             may = self._may_admit(sample_ids, sizes).tolist()

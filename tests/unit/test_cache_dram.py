@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loaderd.storage.arena import Arena
-from loaderd.storage.dram import DramCache
+from loaderd.storage.dram import DramCache, own_copies
 from loaderd.storage.policies import DRAM
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import SampleStore
@@ -160,6 +160,24 @@ def test_a_batch_put_names_the_records_too_large_for_the_tier() -> None:
     assert cache.put_many({4: (bytes(10), None)}) == []
 
 
+@pytest.mark.parametrize("size", [100, 20_000])
+def test_own_copies_do_not_share_the_memory_they_were_copied_from(size: int) -> None:
+    source = bytearray(b"ab" * size)
+    views = [memoryview(source)[i * size : (i + 1) * size] for i in range(2)]
+    copies = own_copies(views)
+    source[:] = bytes(len(source))  # the source's memory reused
+    assert [bytes(c) for c in copies] == [b"ab" * (size // 2)] * 2
+
+
+def test_records_of_their_own_are_put_together_evicting_the_oldest() -> None:
+    cache = DramCache(100, recency=False)
+    assert cache.put_all([1, 2], [bytes(30), bytes(30)]) == []
+    assert cache.put_all([3, 4, 5], [bytes(20), bytes(20), bytes(101)]) == [5]  # one at a time
+    assert cache.put_all([6, 7], [bytes(30), bytes(20)]) == []  # 1 and 2 go, oldest first
+    assert sorted(cache._items) == [3, 4, 6, 7] and cache.used_bytes == 90
+    assert cache.pinned == 0 and cache.evictions == 2
+
+
 def test_hit_rate_with_no_lookups() -> None:
     assert DramCache(10).stats()["hit_rate"] == 0.0
 
@@ -213,6 +231,41 @@ def test_a_batch_another_process_read_is_counted_as_if_read_here(
             assert set(there.dram._items) == set(here.dram._items)
             for sid in there.dram._items:
                 assert bytes(there.dram._items[sid]) == truth[sid]
+
+
+def test_small_records_another_process_read_are_held_as_copies_of_their_own(
+    store_path: Path, tmp_path: Path
+) -> None:
+    """A batch of small misses DRAM takes whole is copied at once (``_copy_all``); one with a
+    record large enough to lock goes record by record, the large one held as a locked view."""
+    with SampleStore(store_path) as s, TierStack(s, 1 << 20) as stack:
+        truth = s.get_many(range(100))
+        index = s.value_index
+        assert index is not None
+        ids = np.array([7, 3, 99, 40])
+        stack.read_elsewhere(ids, index.offsets[ids], index.lengths[ids].astype(np.int64))
+        held = stack.dram._items
+        assert list(held) == [7, 3, 99, 40] and all(type(held[i]) is bytes for i in ids)
+        assert [held[i] for i in ids] == [truth[i] for i in ids]
+        assert (stack.policy.lookup_many(ids) == DRAM).all()
+        assert stack.dram.used_bytes == stack.policy.stats(DRAM)["used_bytes"]
+        ids = np.array([3, 12, 40, 55])  # two held already, two new: only those are admitted
+        stack.read_elsewhere(ids, index.offsets[ids], index.lengths[ids].astype(np.int64))
+        assert list(held) == [7, 3, 99, 40, 12, 55] and [held[12], held[55]] == [
+            truth[12],
+            truth[55],
+        ]
+        assert stack.policy.stats(DRAM)["hits"] == 2
+        assert stack.dram.used_bytes == stack.policy.stats(DRAM)["used_bytes"]
+    path, big = big_store(tmp_path, 4, 20)
+    with SampleStore(path) as s, TierStack(s, 1 << 20) as stack:
+        index = s.value_index
+        assert index is not None
+        ids = np.arange(4)
+        stack.read_elsewhere(ids, index.offsets[ids], index.lengths[ids].astype(np.int64))
+        assert [bytes(stack.dram._items[i]) for i in ids] == big
+        if stack.dram.pinned:  # where the kernel lets this process lock pages
+            assert all(isinstance(stack.dram._items[i], memoryview) for i in ids)
 
 
 def test_tier_stack_serves_the_store_bytes_and_counts(store_path: Path) -> None:
