@@ -103,15 +103,19 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
         out += [
             f"## {sub[0]['samples']:,} samples of {size:,} bytes",
             "",
-            "| configuration | samples/s | vs DataLoader | runs | busy cores: daemon, trainer |",
-            "|---|---:|---:|---|---|",
+            "| configuration | samples/s | vs DataLoader | runs | busy cores: daemon, trainer "
+            "| server loop: busy, on a core |",
+            "|---|---:|---:|---|---|---|",
         ]
         for r in sub:
             c = r.get("cores")
             busy = f"{c['daemon']}, {c['trainer']}" if c else ""
+            loop = f"{c['loop']}, {c['loop_cpu']}" if c and "loop" in c else ""
             runs = ", ".join(f"{x:,}" for x in r["runs"]) if len(r["runs"]) > 1 else ""
             ratio = r.get("vs_dataloader") or ""
-            out.append(f"| {r['config']} | {r['samples_per_s']:,} | {ratio} | {runs} | {busy} |")
+            out.append(
+                f"| {r['config']} | {r['samples_per_s']:,} | {ratio} | {runs} | {busy} | {loop} |"
+            )
         out.append("")
     return "\n".join(out)
 

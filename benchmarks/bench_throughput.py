@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -99,21 +99,44 @@ class CpuUse:
     """Cores each process kept busy over a block: the daemon and this trainer.
 
     Together they tell a row bound by work (the two near the machine's cores) from one bound
-    by waiting (a request/reply chain with both sides idle part of the time).
+    by waiting (a request/reply chain with both sides idle part of the time). With ``loop``
+    (the daemon's ``stats()["loop"]``), also the share of the block its server loop spent
+    outside its poll (``loop``: near 1, the one interpreter is what bounds the row) and the
+    CPU its thread used in that time (``loop_cpu``, of the wall time: below ``loop``, the
+    loop waited for a core or for the GIL).
     """
 
-    def __init__(self, daemon: psutil.Process) -> None:
+    def __init__(
+        self, daemon: psutil.Process, loop: Callable[[], dict[str, Any]] | None = None
+    ) -> None:
         self.procs = {"daemon": daemon, "trainer": psutil.Process()}
+        self.loop = loop
         self.cores: dict[str, float] = {}
 
     @contextmanager
     def measured(self) -> Any:
         t0 = time.perf_counter()
         before = {k: sum(p.cpu_times()[:2]) for k, p in self.procs.items()}
+        turned = self.loop() if self.loop is not None else None
+        loop_cpu = self._loop_cpu()
         yield
         wall = time.perf_counter() - t0
         for k, p in self.procs.items():
             self.cores[k] = round((sum(p.cpu_times()[:2]) - before[k]) / wall, 2)
+        if self.loop is not None and turned is not None:
+            now = self.loop()
+            busy = now["busy_s"] - turned["busy_s"]
+            spent = busy + now["waited_s"] - turned["waited_s"]
+            self.cores["loop"] = round(busy / spent, 2) if spent > 0 else 0.0
+            self.cores["loop_cpu"] = round((self._loop_cpu() - loop_cpu) / wall, 2)
+
+    def _loop_cpu(self) -> float:
+        """CPU seconds of the daemon's main thread, which runs the server loop."""
+        daemon = self.procs["daemon"]
+        for t in daemon.threads():
+            if t.id == daemon.pid:
+                return float(t.user_time + t.system_time)
+        return 0.0
 
 
 def goal_for(goal: str, sample_bytes: int) -> tuple[float, str | None, float]:
@@ -199,7 +222,7 @@ def one_trainer(
         for e in range(epochs):
             prof = ctx.profile_path(f"{tag}-e{e}")
             mine = ctx.profile_path(f"{tag}-e{e}-trainer")
-            use = CpuUse(srv.ps)
+            use = CpuUse(srv.ps, lambda: ds.stats()["loop"])
             with spied(srv.proc.pid, prof), spied(os.getpid(), mine), use.measured():
                 rates.append(run_epoch(ds, srv))
             profiles.append((prof, mine))
@@ -551,7 +574,8 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
                 c = r["cores"]
                 out.append(
                     f"{r['config']}: busy cores: daemon {c['daemon']}, trainer {c['trainer']} "
-                    f"(of {info['nproc']})."
+                    f"(of {info['nproc']}); the server loop busy {c.get('loop', '?')} of the time, "
+                    f"on a core {c.get('loop_cpu', '?')}."
                 )
         out.append("")
         for r in sub:
