@@ -41,14 +41,12 @@ class Prefault:
 
     def populate(self, starts: np.ndarray, lengths: np.ndarray) -> int:
         """Map the pages of these page-aligned file ranges; returns the system calls made."""
-        ranges = [
-            (self.base + off, min(n, self.size - off))
-            for off, n in zip(starts.tolist(), lengths.tolist(), strict=True)
-            if off < self.size
-        ]
-        if not self.enabled or not ranges:
+        inside = starts < self.size
+        if not self.enabled or not inside.any():
             return 0
-        calls, err = populate_read(ranges)
+        starts = starts[inside]
+        lengths = np.minimum(lengths[inside], self.size - starts)
+        calls, err = populate_read(self.base + starts, lengths)
         if err:
             self.enabled = False
             logger.info(

@@ -574,19 +574,18 @@ class SampleStore:
         if self._map_locked is None:
             return [self._pin_one(r) if self._locks.enabled else None for r in records]
         lo, hi = self._map_locked
-        psize = self._psize
-        out: list[Callable[[], None] | None] = []
-        ranges: list[tuple[int, int]] = []
-        for record in records:
-            address = address_of(record) if record.nbytes >= PIN_MIN_BYTES else 0
-            if not lo <= address < hi:
-                out.append(None)
-                continue
-            first = address - address % psize
-            ranges.append((first, address + record.nbytes - first))
-            out.append(_still_locked)
-        populate_read(ranges)  # else on first touch
-        return out
+        n = len(records)
+        sizes = np.fromiter((r.nbytes for r in records), np.int64, n)
+        large = sizes >= PIN_MIN_BYTES
+        addresses = np.zeros(n, np.int64)  # 0: copied (small, or not of the locked map)
+        addresses[large] = [
+            address_of(r) for r, big in zip(records, large.tolist(), strict=True) if big
+        ]
+        held = (addresses >= lo) & (addresses < hi)
+        first = addresses[held] - addresses[held] % self._psize
+        if len(first):
+            populate_read(first, addresses[held] + sizes[held] - first)  # else on first touch
+        return [_still_locked if h else None for h in held.tolist()]
 
     def _pin_one(self, record: memoryview) -> Callable[[], None] | None:
         """``mlock`` of an overflow record's own pages (the map is not locked whole)."""

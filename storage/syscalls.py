@@ -25,8 +25,8 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
 
+import numpy as np
 import pyarrow as pa
 
 _NAME = ctypes.util.find_library("c") or None
@@ -87,33 +87,43 @@ class _Self:
 _self = _Self()
 
 
-def populate_read(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
-    """Map the pages of these ``(address, length)`` ranges of a file map into this process.
+def populate_read(addresses: np.ndarray, lengths: np.ndarray) -> tuple[int, int]:
+    """Map the pages of these ranges of a file map into this process.
 
     ``process_madvise(MADV_POPULATE_READ)`` on this process takes up to 1024 ranges a call
     (Linux 6.13 and later): one system call, and one wait to win the GIL back, for a batch's
     records, where ``madvise`` per record let the GIL go and waited for it 64 times a batch
-    beside the busy server loop. Older kernels refuse it; then each range is advised alone.
-    A page left unmapped is mapped (and, in a locked map, locked) when it is next read.
+    beside the busy server loop. The ranges go to the kernel as one numpy array of iovecs,
+    with no Python step per range: on a node of many cores the admission thread's Python
+    is GIL time the server loop waits for. Older kernels refuse it; then each range is
+    advised alone. A page left unmapped is mapped (and, in a locked map, locked) when it
+    is next read.
+
+    Args:
+        addresses: each range's first byte in this process (int64).
+        lengths: each range's length in bytes.
 
     Returns:
         The system calls made, and the error of the range ``madvise`` refused (the ranges
         after it are left), or 0. An interrupted call (``EINTR``) is not a refusal.
     """
+    iov = np.empty((len(addresses), 2), np.uint64)  # struct iovec: base, length
+    iov[:, 0] = addresses
+    iov[:, 1] = lengths
     calls = 0
-    for lo in range(0, len(ranges), _IOV_MAX):
-        chunk = ranges[lo : lo + _IOV_MAX]
+    for lo in range(0, len(iov), _IOV_MAX):
+        chunk = iov[lo : lo + _IOV_MAX]
         if _self.usable:
             fd = _self.fd()
             if fd >= 0:
                 calls += 1
-                iov = (_Iovec * len(chunk))(*(_Iovec(a, n) for a, n in chunk))
-                done = _syscall(_SYS_PROCESS_MADVISE, fd, iov, len(chunk), MADV_POPULATE_READ, 0)
-                if done == sum(n for _, n in chunk):
+                ptr = ctypes.c_void_p(chunk.ctypes.data)
+                done = _syscall(_SYS_PROCESS_MADVISE, fd, ptr, len(chunk), MADV_POPULATE_READ, 0)
+                if done == int(chunk[:, 1].sum()):
                     continue
                 if done < 0 and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
                     _self.usable = False
-        for address, length in chunk:  # one by one (again, where a range failed part way)
+        for address, length in chunk.tolist():  # one by one (again, where one failed part way)
             calls += 1
             if madvise(address, length, MADV_POPULATE_READ) != 0:
                 err = ctypes.get_errno()

@@ -472,6 +472,35 @@ def test_prefault_is_switched_off_where_the_kernel_refuses_a_range(
     assert pages.populate(np.array([0]), np.array([mmap.PAGESIZE])) == 0  # not asked again
 
 
+@pytest.mark.parametrize("many", [True, False], ids=["one call", "a call each"])
+def test_populate_read_maps_every_range_past_what_one_call_takes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, many: bool
+) -> None:
+    monkeypatch.setattr(syscalls._self, "usable", many)
+    pages = 2 * syscalls._IOV_MAX + 100
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(pages * mmap.PAGESIZE))
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        view = memoryview(region)
+        address = syscalls.address_of(view)
+        length = pages * mmap.PAGESIZE
+        assert not mapped_pages(address, length).any()  # a fresh map: the test can fail
+        every_other = np.arange(0, pages, 2, dtype=np.int64)  # more ranges than one call takes
+        calls, err = syscalls.populate_read(
+            address + every_other * mmap.PAGESIZE, np.full(len(every_other), mmap.PAGESIZE)
+        )
+        assert err == 0
+        if many and not syscalls._self.usable:
+            pytest.skip("this kernel takes one range a call (process_madvise before 6.13)")
+        assert calls == (-(-len(every_other) // syscalls._IOV_MAX) if many else len(every_other))
+        assert mapped_pages(address, length)[every_other].all()
+        view.release()
+    finally:
+        region.close()
+
+
 def test_prefault_maps_exactly_the_pages_of_the_advised_records(tmp_path: Path) -> None:
     path = make_store(tmp_path / "s.db")
     with SampleStore(path) as store:
