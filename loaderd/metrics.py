@@ -44,6 +44,7 @@ COUNTERS = frozenset(
         "turns",  # the server loop's (``loop_clock``)
         "busy_s",
         "waited_s",
+        "cpu_s",
     }
 )
 # Sections whose keys are names (a tier, a job), which become a label.

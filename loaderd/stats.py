@@ -224,13 +224,14 @@ def _loop_rows(loop: dict[str, Any] | None) -> list[str]:
     busy = loop["busy_share"]
     note = "  (one interpreter: near 100% it bounds misses, not the disk)" if busy >= 0.9 else ""
     shares = ", ".join(f"{p.replace('_', ' ')} {v:.0%}" for p, v in loop["shares"].items())
-    return _rows(
-        "server loop",
-        [
-            ("busy", f"{busy:.0%} of the last {loop['window_s']:.0f} s{note}"),
-            ("on", shares),
-        ],
-    )
+    rows = [("busy", f"{busy:.0%} of the last {loop['window_s']:.0f} s{note}"), ("on", shares)]
+    on_core = loop.get("on_core_share")
+    if on_core is not None:
+        # Busy but off a core: waiting for the GIL its own threads hold, or for a core.
+        waits = busy >= 0.5 and on_core < 0.8 * busy
+        why = "  (it waited for the GIL or a core the rest of its busy time)" if waits else ""
+        rows.insert(1, ("on a core", f"{on_core:.0%}{why}"))
+    return _rows("server loop", rows)
 
 
 def _importance_rows(imp: dict[str, Any]) -> list[tuple[str, str]]:

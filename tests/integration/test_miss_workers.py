@@ -59,6 +59,7 @@ def test_misses_from_worker_processes_are_the_stores_bytes(
         # The loop's clock saw those turns: its phases share what it was busy with.
         loop = s["loop"]
         assert loop["turns"] > 0 and loop["busy_s"] > 0 and 0 < loop["busy_share"] <= 1
+        assert loop["cpu_s"] > 0 and 0 < loop["on_core_share"] <= 1
         assert loop["shares"]["requests"] > 0 and loop["shares"]["assembled"] > 0
         assert sum(loop["shares"].values()) == pytest.approx(1, abs=0.01)
         ds.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from loaderd.loop_clock import WINDOW_S, LoopClock
@@ -61,3 +64,46 @@ def test_time_after_the_phases_is_other() -> None:
 def test_no_time_yet() -> None:
     s = LoopClock(now=5.0).stats(5.0)
     assert s["busy_share"] is None and s["turns"] == 0
+
+
+def test_the_share_of_the_window_the_loop_ran_on_a_core() -> None:
+    """Busy but off a core: the loop's thread waited (for the GIL, or for a core)."""
+    cpu = [0.0]
+    clock = LoopClock(now=0.0, cpu=lambda: cpu[0])
+    t = 0.0
+    for _ in range(10):  # busy 75 % of each second, on a core 50 %
+        t = turn(clock, t, wait=0.25, requests=0.5, answers=0.25)
+        cpu[0] += 0.5
+    s = clock.stats(t)
+    assert s["busy_share"] == 0.75 and s["on_core_share"] == 0.5 and s["cpu_s"] == 5.0
+    for _ in range(30):  # then idle: the window forgets the CPU too
+        t = turn(clock, t, wait=0.5, requests=0.0, answers=0.0)
+        clock.sample(t)
+    assert clock.stats(t)["on_core_share"] == 0.0 and clock.stats(t)["cpu_s"] == 5.0
+
+
+def test_the_loops_cpu_is_its_own_thread_read_from_any_thread() -> None:
+    """By default the clock reads the CPU of the thread that made it, from any thread."""
+    made: list[LoopClock] = []
+    spun, done = threading.Event(), threading.Event()
+
+    def loop() -> None:
+        made.append(LoopClock())
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:  # 0.2 s of this thread's CPU
+            pass
+        spun.set()
+        done.wait(10)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        assert spun.wait(10)
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:  # 0.3 s of this thread's: none of it the loop's
+            pass
+        assert 0.19 <= made[0].stats()["cpu_s"] < 0.28
+    finally:
+        done.set()
+        thread.join()
+    assert 0.19 <= made[0].stats()["cpu_s"] < 0.28  # the thread is gone: its last figure

@@ -252,6 +252,13 @@ def test_format_table_says_how_busy_the_server_loop_was() -> None:
     at = lines.index("server loop")
     assert "97% of the last 10 s" in lines[at + 1] and "bounds misses" in lines[at + 1]
     assert lines[at + 2].split(None, 1)[1] == "requests 31%, assembled 44%, other 25%"
+    assert not any("on a core" in line for line in lines)  # a daemon that does not say
+    s["loop"]["on_core_share"] = 0.6  # busy 97 %, on a core 60 %: it waited
+    lines = format_table(s).splitlines()
+    assert lines[at + 2].split()[:4] == ["on", "a", "core", "60%"]
+    assert "waited for the GIL or a core" in lines[at + 2]
+    s["loop"]["on_core_share"] = 0.9  # busy and running: no remark
+    assert "waited for the GIL" not in format_table(s)
     s["loop"]["busy_share"] = 0.4  # far from saturated: no remark
     assert "bounds misses" not in format_table(s)
     s["loop"]["busy_share"] = None  # a daemon that has not served a turn
