@@ -45,6 +45,7 @@ from loaderd.storage.store import SampleStore
 logger = logging.getLogger(__name__)
 
 StreamKey = tuple[Any, ...]  # (job, rank, epoch, phase) from the server
+Ranges = tuple[np.ndarray, np.ndarray]  # file (starts, lengths): ``SampleStore.advise_ranges``
 # A batch is read in blocks only where its new blocks take at most this share of the budget;
 # else its records' own pages are (a small budget still holds several batches ahead). The
 # store's leaves of pointers are asked for at a pass's start only within the same share.
@@ -62,6 +63,10 @@ class _Stream:
     moved: float = field(default_factory=time.monotonic)
     mapped: bool = True  # its advised pages are mapped into this process too
     blocks: np.ndarray | None = None  # per ``read_unit`` block: asked for in this pass
+
+
+# A batch to advise: its stream, its index, the ids to read, their bytes, blocks or ranges.
+_Job = tuple[StreamKey, _Stream, int, np.ndarray, int, np.ndarray | None, Ranges | None]
 
 
 class ReadAhead:
@@ -182,13 +187,14 @@ class ReadAhead:
 
     # --- the thread ---------------------------------------------------------------------------
 
-    def _next(self) -> tuple[StreamKey, _Stream, int, np.ndarray, int, np.ndarray | None] | None:
+    def _next(self) -> _Job | None:
         """The batch to advise next: of the stream least far ahead, if it fits the budget.
 
         Returns its records that no cache tier holds, their bytes, and the blocks to ask for
         where small records are read in blocks (``SampleStore.read_unit``: those not asked for
-        earlier in the pass, so a block's bytes count once); a batch the cache holds whole
-        takes no room in the window (its stream is claimed past it by the caller).
+        earlier in the pass, so a block's bytes count once), else their byte ranges; a batch
+        the cache holds whole takes no room in the window (its stream is claimed past it by
+        the caller).
         """
         now = time.monotonic()
         for key in [k for k, s in self._streams.items() if now - s.moved > self.idle_s]:
@@ -203,8 +209,9 @@ class ReadAhead:
         ids = s.plan.batch(index)[0]
         ids = ids[~self.cached(ids)]
         if not len(ids):
-            return key, s, index, ids, 0, None
+            return key, s, index, ids, 0, None, None
         blocks = None if s.blocks is None else self.store.read_blocks(ids)
+        ranges = None
         if blocks is not None:
             assert s.blocks is not None
             blocks = blocks[~s.blocks[blocks]]
@@ -212,7 +219,8 @@ class ReadAhead:
             if need > self.budget_bytes // _BLOCK_SHARE:  # the window would hold too few batches
                 blocks = None
         if blocks is None:  # whole pages, and the pages a joined range spans
-            need = self.store.advise_bytes(ids) or self._mean * len(ids)
+            ranges = self.store.advise_ranges(ids)
+            need = (0 if ranges is None else int(ranges[1].sum())) or self._mean * len(ids)
         if self._bytes + need > self.budget_bytes:
             if not self._bytes and not self._warned:
                 self._warned = True
@@ -223,7 +231,7 @@ class ReadAhead:
                     need,
                 )
             return None
-        return key, s, index, ids, need, blocks
+        return key, s, index, ids, need, blocks, ranges
 
     def _next_unmapped(self) -> tuple[StreamKey, np.ndarray] | None:
         """The advised batch to map next: the one nearest its pass's head, of all streams."""
@@ -251,7 +259,7 @@ class ReadAhead:
                     self._cond.wait(timeout=1.0)
                     continue
                 if job is not None:
-                    key, s, index, todo, need, blocks = job
+                    key, s, index, todo, need, blocks, ranges = job
                     s.issued = index + 1  # claimed: the server thread may move the head meanwhile
                     if not len(todo):
                         self.cached_batches += 1
@@ -262,7 +270,7 @@ class ReadAhead:
                 self._map(*mapping)
                 continue
             done, calls = self._attempt(
-                "read-ahead", key, partial(self.store.advise, blocks=blocks), todo
+                "read-ahead", key, partial(self.store.advise, blocks=blocks, ranges=ranges), todo
             )
             with self._cond:
                 if self._streams.get(key) is s and index >= s.head:

@@ -361,7 +361,12 @@ class SampleStore:
         """Where each record lies in data.mdb (None: unknown, see ``value_index.py``)."""
         return build_value_index(self.path / "data.mdb", SAMPLES_DB, self.num_samples)
 
-    def advise(self, ids: np.ndarray, blocks: np.ndarray | None = None) -> tuple[int, int]:
+    def advise(
+        self,
+        ids: np.ndarray,
+        blocks: np.ndarray | None = None,
+        ranges: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[int, int]:
         """Ask the kernel to read these records ahead, without waiting for it.
 
         With a value index the byte ranges go to ``posix_fadvise(WILLNEED)``, in file order,
@@ -374,6 +379,7 @@ class SampleStore:
             ids: the records to read ahead.
             blocks: ask for these ``read_unit`` blocks instead of the records' own pages
                 (``read_blocks``, less those asked for already); adjacent blocks are one call.
+            ranges: the records' ``advise_ranges``, where the caller has them already.
 
         Returns:
             The record bytes asked for, and the system calls that asked (0 without an index).
@@ -386,7 +392,7 @@ class SampleStore:
         if blocks is not None:
             starts, lengths = block_ranges(blocks, self.read_unit)
         else:
-            starts, lengths = index.ranges(ids, ADVISE_GAP, _PAGE)
+            starts, lengths = ranges if ranges is not None else index.ranges(ids, ADVISE_GAP, _PAGE)
         probe = self._residency
         late = self._read_first[ids]
         if late.any():  # a reader got here first: pages it just read say nothing of the rest
@@ -469,15 +475,22 @@ class SampleStore:
             return None
         return Prefault(base, int(self._env.info()["map_size"]))
 
-    def advise_bytes(self, ids: np.ndarray) -> int | None:
-        """The bytes ``advise(ids)`` has the page cache read and hold (None: no index).
+    def advise_ranges(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The file ranges ``advise(ids)`` asks for: ``(starts, lengths)`` (None: no index).
 
         Whole pages, and the pages between records it joins into one range (at most
-        ``ADVISE_GAP`` apart): the kernel reads those too. So a read-ahead that counts this
-        holds no more than it counts; the advice of any subset of ``ids`` holds no more either.
+        ``ADVISE_GAP`` apart): the kernel reads those too. So a read-ahead that counts their
+        bytes holds no more than it counts; the advice of any subset of ``ids`` holds no more
+        either. Computed once a batch: the read-ahead counts them, then passes them to
+        ``advise``.
         """
         index = self.value_index
-        return None if index is None else int(index.ranges(ids, ADVISE_GAP, _PAGE)[1].sum())
+        return None if index is None else index.ranges(ids, ADVISE_GAP, _PAGE)
+
+    def advise_bytes(self, ids: np.ndarray) -> int | None:
+        """The bytes ``advise(ids)`` has the page cache read and hold (None: no index)."""
+        ranges = self.advise_ranges(ids)
+        return None if ranges is None else int(ranges[1].sum())
 
     @cached_property
     def read_unit(self) -> int:
