@@ -119,8 +119,11 @@ class ValueIndex:
             Block numbers (block ``b`` is bytes ``[b * unit, (b + 1) * unit)``), int64,
             sorted, unique.
         """
-        first = self.offsets[ids] // unit
-        last = (self.offsets[ids] + self.lengths[ids].astype(np.int64) - 1) // unit
+        offsets = self.offsets[ids]
+        first = offsets // unit
+        last = (offsets + self.lengths[ids].astype(np.int64) - 1) // unit
+        if bool((first == last).all()):  # no record crosses a block's end: small records
+            return np.unique(first)
         span = last - first + 1  # a record larger than a block lies in several
         steps = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
         return np.unique(np.repeat(first, span) + steps)
