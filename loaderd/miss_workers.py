@@ -258,7 +258,8 @@ class MissWorkers:
         # A batch known to be larger than the job's slots gets a larger ring's, or none:
         # a worker would read and verify it only to answer that it does not fit.
         store = self._tiers.store
-        known = store.known_bytes(ids)
+        spans = store.sliceable_spans(ids)  # the worker slices these without LMDB's help
+        known = int(spans[1].sum()) if spans is not None else store.known_bytes(ids)
         least = 0 if known is None else self._writer.frame_bytes(len(ids), known)
         blank = allocate.lend(least)
         if blank is None:
@@ -266,7 +267,6 @@ class MissWorkers:
             return self._unlend(loan)
         # A cold batch's reads go out together (those of records a tier holds need none).
         store.advise_known(missing.tolist())
-        spans = store.sliceable_spans(ids)  # the worker slices these without LMDB's help
         try:
             worker.conn.send_bytes(
                 encode_task(
