@@ -595,9 +595,10 @@ class SampleStore:
             address_of(r) for r, big in zip(records, large.tolist(), strict=True) if big
         ]
         held = (addresses >= lo) & (addresses < hi)
-        first = addresses[held] - addresses[held] % self._psize
+        starts = addresses[held]
+        first = starts - starts % self._psize
         if len(first):
-            populate_read(first, addresses[held] + sizes[held] - first)  # else on first touch
+            populate_read(first, starts + sizes[held] - first)  # else on first touch
         return [_still_locked if h else None for h in held.tolist()]
 
     def _pin_one(self, record: memoryview) -> Callable[[], None] | None:
