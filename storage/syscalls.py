@@ -61,10 +61,6 @@ _SYS_PIDFD_OPEN, _SYS_PROCESS_MADVISE = 434, 440
 _IOV_MAX = 1024
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
 class _Self:
     """A pidfd of this process for ``process_madvise``, reopened after a fork; -1: none."""
 
