@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         "than as copies (default: on; off, or an RLIMIT_MEMLOCK that refuses, copies)",
     )
     s.add_argument(
+        "--dram-load",
+        action=argparse.BooleanOptionalAction,
+        default=CacheConfig().load_map,
+        help="where DRAM can hold the whole store (and its pages may be locked), read it into "
+        "RAM at start, in file order, at the disk's sequential rate (default: on; off: as "
+        "records are read)",
+    )
+    s.add_argument(
         "--nvram-dir",
         type=Path,
         help="directory of the NVRAM arena file (a DAX mount, /dev/shm or any disk); "
@@ -370,6 +378,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             policy=args.cache_policy,
             admit_queue_bytes=args.dram_admit_queue,
             lock_pages=args.dram_lock_pages,
+            load_map=args.dram_load,
         ),
         prefetch=PrefetchConfig(
             depth=args.prefetch,

@@ -46,6 +46,8 @@ class CacheConfig:
     admit_queue_bytes: int = 256 << 20
     # Hold large records admitted from the store as its pages locked in RAM (False: copies).
     lock_pages: bool = True
+    # Where DRAM can hold the whole store: bring it into RAM at start, in file order.
+    load_map: bool = True
 
     def __post_init__(self) -> None:
         from loaderd.storage.policies import POLICIES

@@ -67,6 +67,7 @@ def build_tiers(config: CacheConfig, store: SampleStore) -> TierStack:
             policy=config.policy,
             admit_queue_bytes=config.admit_queue_bytes,
             lock_pages=config.lock_pages,
+            load_map=config.load_map,
         )
     except BaseException:
         if arena is not None:

@@ -643,6 +643,11 @@ class SampleStore:
         return self._map_locked is not None
 
     @property
+    def locked_range(self) -> tuple[int, int] | None:
+        """``[start, end)`` of the map ``lock_map`` locked, in this process; None: not locked."""
+        return self._map_locked
+
+    @property
     def file_bytes(self) -> int:
         """The size of data.mdb."""
         return os.stat(self.path / "data.mdb").st_size

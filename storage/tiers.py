@@ -33,6 +33,7 @@ from loaderd.storage.admission import AdmissionQueue
 from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache, Held, own_copies
 from loaderd.storage.errors import CorruptRecordError, StorageError
+from loaderd.storage.map_loader import MapLoader, fits_in_memory
 from loaderd.storage.policies import ARENA, DRAM, Admitted, Move, Policy, make_policy
 from loaderd.storage.store import PIN_MIN_BYTES, SampleStore
 
@@ -72,6 +73,23 @@ class ArenaLoan:
             self._arena.give_back(lent)
 
 
+def load_whole(store: SampleStore) -> MapLoader | None:
+    """A ``MapLoader`` of the store's locked map, where the file fits in available memory."""
+    span = store.locked_range
+    if span is None:
+        return None
+    lo, hi = span
+    if not fits_in_memory(hi - lo):
+        logger.info(
+            "store %s: %d MiB is more than the memory available: it is brought into RAM as "
+            "records are read, not at start",
+            store.path,
+            (hi - lo) >> 20,
+        )
+        return None
+    return MapLoader(lo, hi - lo, label=f"store {store.path}")
+
+
 class TierStack:
     """DRAM and an optional NVRAM arena in front of the LMDB store.
 
@@ -88,6 +106,8 @@ class TierStack:
             admits during the read.
         lock_pages: whether DRAM may hold a large record as the store's pages locked in RAM
             (``SampleStore.pin``); False: as a copy.
+        load_map: where DRAM can hold the whole store and its map is locked, bring the whole
+            file in at once, in file order (``map_loader.py``); False: as records are read.
     """
 
     def __init__(
@@ -99,6 +119,7 @@ class TierStack:
         policy: str = "importance",
         admit_queue_bytes: int = 0,
         lock_pages: bool = True,
+        load_map: bool = True,
     ) -> None:
         self.store = store
         self.arena = arena
@@ -122,8 +143,10 @@ class TierStack:
                 recency=self.policy.overfills_dram,
             )
         )
-        if lock_pages and self.dram.capacity_bytes >= store.file_bytes and store.num_samples:
-            store.lock_map()  # DRAM can hold it all: no lock per record (``lock_map``)
+        # DRAM can hold it all: no lock per record (``lock_map``), and the whole file
+        # brought in, in file order, from the start (``map_loader.py``; below).
+        fits = lock_pages and self.dram.capacity_bytes >= store.file_bytes and store.num_samples
+        load_map = bool(fits and store.lock_map() and load_map)
         self._lock = threading.Lock()
         self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
         # Queued for the arena, served from here: bytes of their own, or views of the store's
@@ -151,6 +174,7 @@ class TierStack:
                 target=self._run_writer, name="loaderd-arena-writer", daemon=True
             )
             self._writer.start()
+        self._loader = load_whole(store) if load_map else None
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -682,6 +706,8 @@ class TierStack:
             locked_bytes=self.store.locked_bytes,
             map_locked=self.store.map_locked,
         )
+        if self._loader is not None:
+            tiers[DRAM]["map_load"] = self._loader.stats()
         if self._admissions is not None:
             tiers[DRAM].update(self._admissions.stats(), admitted_late=self.admitted_late)
         return {
@@ -699,6 +725,8 @@ class TierStack:
         if self._closed:
             return
         self._closed = True
+        if self._loader is not None:
+            self._loader.close()  # before the store's map goes away
         if self._admissions is not None:
             self._admissions.close()  # before the store's map goes away
         if self._writer is not None:

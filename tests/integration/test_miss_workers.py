@@ -69,8 +69,10 @@ def test_records_workers_read_are_held_in_the_daemons_locked_map(
     store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     # DRAM holds the whole store: the daemon locks its map whole, and a page is held only
-    # once it is mapped in the daemon, which never read these records itself.
-    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "64MiB"]) as d:
+    # once it is mapped in the daemon, which never read these records itself (the store is
+    # not brought in whole at start here, which would map every page: ``--no-dram-load``).
+    extra = ["--dram-bytes", "64MiB", "--no-dram-load"]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
         ds = with_workers(d, "held", 8)
         assert sorted(check_epoch(ds, store[1])) == list(range(N))
         dram = admitted(d.address)
@@ -79,6 +81,30 @@ def test_records_workers_read_are_held_in_the_daemons_locked_map(
         assert dram["items"] == N and stats(d.address)["miss_workers"]["batches"] > 0
         assert d.proc is not None
         assert _mapped_kib(d.proc.pid, store[0] / "data.mdb") * 1024 >= N * IMAGE
+        assert "map_load" not in dram
+        ds.close()
+
+
+def test_a_store_dram_can_hold_is_brought_in_whole_at_start(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    # Before any trainer asks, the daemon maps and locks every page of the store.
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "64MiB"]) as d:
+        dram = stats(d.address)["tiers"][0]
+        if not dram["map_locked"]:
+            pytest.skip("the daemon may not lock the store's map here (RLIMIT_MEMLOCK)")
+
+        def loaded() -> bool:
+            load = stats(d.address)["tiers"][0]["map_load"]
+            return bool(load["loaded_bytes"] == load["total_bytes"])
+
+        wait_until(loaded, what="the whole store mapped")
+        assert d.proc is not None
+        size = (store[0] / "data.mdb").stat().st_size
+        assert _mapped_kib(d.proc.pid, store[0] / "data.mdb") * 1024 >= size
+        ds = with_workers(d, "whole", 8)
+        for _ in range(2):  # and every epoch is still the store's bytes
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))
         ds.close()
 
 

@@ -1,0 +1,103 @@
+"""The whole store brought into a locked map at start, in file order (``map_loader.py``)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaderd.storage.map_loader import MapLoader, available_bytes, fits_in_memory
+from loaderd.storage.store import SampleStore
+from loaderd.storage.tiers import TierStack
+from tests.helpers import evict, wait_until
+from tests.unit.test_cache_dram import big_store
+
+
+def _rss_and_locked_kib(path: Path) -> tuple[int, int]:
+    """KiB of ``path`` this process maps (``Rss``) and locks (``Locked``)."""
+    rss = locked = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
+            inside = line.endswith(str(path.resolve()))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+        elif inside and line.startswith("Locked:"):
+            locked += int(line.split()[1])
+    return rss, locked
+
+
+def _loaded(stack: TierStack) -> bool:
+    load = stack.stats()["tiers"][0]["map_load"]
+    return bool(load["loaded_bytes"] == load["total_bytes"])
+
+
+def test_a_store_dram_can_hold_is_mapped_and_locked_whole_from_the_disk(tmp_path: Path) -> None:
+    path, truth = big_store(tmp_path, 60, 40)
+    evict(path)  # cold: the loader reads it, nobody else does
+    store = SampleStore(path)
+    with TierStack(store, store.file_bytes) as stack:
+        if not store.map_locked:
+            pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
+        wait_until(lambda: _loaded(stack), what="the whole store mapped")
+        rss, locked = _rss_and_locked_kib(path / "data.mdb")
+        size = store.file_bytes
+        assert rss * 1024 >= size and locked * 1024 >= size  # every page, held by the lock
+        load = stack.stats()["tiers"][0]["map_load"]
+        assert load["error"] is None and load["total_bytes"] >= size
+        assert stack.get_many(np.arange(60)) == truth  # the store's bytes
+
+
+@pytest.mark.parametrize("why", ["too small", "off"])
+def test_nothing_is_brought_in_where_dram_cannot_hold_the_store_or_it_is_off(
+    tmp_path: Path, why: str
+) -> None:
+    path, truth = big_store(tmp_path, 60, 40)
+    store = SampleStore(path)
+    dram = store.file_bytes // 2 if why == "too small" else store.file_bytes
+    with TierStack(store, dram, load_map=why != "off") as stack:
+        assert "map_load" not in stack.stats()["tiers"][0]
+        assert stack.get_many(np.arange(5)) == truth[:5]
+        rss, _ = _rss_and_locked_kib(path / "data.mdb")
+        assert rss * 1024 < store.file_bytes // 2  # what the reads mapped, not the whole file
+
+
+def test_a_range_the_kernel_refuses_ends_the_loader_with_its_reason(tmp_path: Path) -> None:
+    page = mmap.PAGESIZE
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(f, os.O_RDONLY)
+    # Two pages of a one-page file: the second lies past its end, which no read can map.
+    base = libc.mmap(None, 2 * page, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    try:
+        assert base not in (None, ctypes.c_void_p(-1).value)
+        loader = MapLoader(base, 2 * page, label="test", chunk_bytes=page)
+        wait_until(lambda: loader.error is not None or loader.done)
+        loader.close()
+        loader.close()  # twice is safe
+        assert loader.error is not None and not loader.done
+        assert loader.stats()["loaded_bytes"] == page
+    finally:
+        libc.munmap(base, 2 * page)
+        os.close(fd)
+
+
+def test_a_chunk_must_be_whole_pages() -> None:
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        MapLoader(0, 1, label="test", chunk_bytes=mmap.PAGESIZE + 1)
+
+
+def test_what_fits_in_memory_follows_what_the_kernel_says_is_available() -> None:
+    free = available_bytes()
+    assert free is not None and free > 0
+    assert fits_in_memory(mmap.PAGESIZE)
+    assert not fits_in_memory(free)  # all of it is more than the share taken
