@@ -46,6 +46,14 @@ def _rows(title: str, rows: list[tuple[str, str]]) -> list[str]:
     return [title, *(f"  {k:<{width}}  {v}" for k, v in rows)]
 
 
+def _map_load(load: dict[str, Any]) -> str:
+    """How far the DRAM tier's load of the whole store got, as one table cell."""
+    done = f"{human_bytes(load['loaded_bytes'])} of {human_bytes(load['total_bytes'])}"
+    if load.get("error"):
+        return f"{done} (stopped: {load['error']}; the rest as records are read)"
+    return f"{done} in {load['seconds']:.1f} s"
+
+
 def format_table(stats: dict[str, Any]) -> str:
     """A readable multi-section table of a STATS reply."""
     ds, cache, backing = stats["dataset"], stats["cache"], stats["backing"]
@@ -88,6 +96,8 @@ def format_table(stats: dict[str, Any]) -> str:
             )
             if k in tier
         ]
+        if "map_load" in tier:  # the whole store brought in at start (``map_loader.py``)
+            rows.append(("store in RAM", _map_load(tier["map_load"])))
         out += _rows(f"tier {tier['name']}", rows)
     out += _rows(
         "cache (all tiers)",
