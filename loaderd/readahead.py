@@ -50,6 +50,7 @@ Ranges = tuple[np.ndarray, np.ndarray]  # file (starts, lengths): ``SampleStore.
 # else its records' own pages are (a small budget still holds several batches ahead). The
 # store's leaves of pointers are asked for at a pass's start only within the same share.
 _BLOCK_SHARE = 4
+_PAUSED_POLL_S = 0.02  # how often a paused read-ahead looks whether it may go on
 
 
 @dataclass(slots=True)
@@ -81,6 +82,9 @@ class ReadAhead:
         reads_here: whether this process reads a stream's records (they are then mapped
             ahead, ``SampleStore.prefault``); not: a miss worker reads them through a map
             of its own, and mapping them here too would cost as much again. None: all.
+        paused: while it says True, nothing is advised: the whole store is streaming into
+            RAM in file order (``TierStack.loading``), and random reads of the same file
+            would only slow that stream down for records it brings within the load.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class ReadAhead:
         budget_bytes: int,
         idle_s: float = 60.0,
         reads_here: Callable[[StreamKey], bool] | None = None,
+        paused: Callable[[], bool] | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"`budget_bytes` must be >= 0, got {budget_bytes}")
@@ -98,6 +103,7 @@ class ReadAhead:
         self.budget_bytes = budget_bytes
         self.idle_s = idle_s
         self._reads_here = reads_here
+        self._paused = paused
         self._streams: dict[StreamKey, _Stream] = {}
         self._ranks: dict[str, set[int]] = {}  # job -> every rank whose pass was followed
         self._bytes = 0
@@ -246,6 +252,9 @@ class ReadAhead:
         self.prefaulting = indexed and self.store.prefaulting
         self.indexed = indexed
         while not self._stop.is_set():
+            if self._paused is not None and self._paused():
+                self._stop.wait(_PAUSED_POLL_S)
+                continue
             with self._cond:
                 tree, self._tree_due = self._tree_due, False
             if tree:

@@ -90,6 +90,11 @@ class MapLoader:
         self._thread.start()
 
     @property
+    def running(self) -> bool:
+        """Whether the loader is still mapping (not done, not stopped)."""
+        return self._thread.is_alive()
+
+    @property
     def done(self) -> bool:
         """Whether the whole range is mapped."""
         return self.loaded_bytes >= self.length

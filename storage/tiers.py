@@ -527,6 +527,11 @@ class TierStack:
                         rest()
                 raise
 
+    @property
+    def loading(self) -> bool:
+        """Whether the whole store is being brought into RAM (``map_loader.py``) right now."""
+        return self._loader is not None and self._loader.running
+
     def settle(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued DRAM admissions are done; False on timeout."""
         return self._admissions is None or self._admissions.flush(timeout_s)

@@ -44,6 +44,7 @@ def test_a_store_dram_can_hold_is_mapped_and_locked_whole_from_the_disk(tmp_path
         if not store.map_locked:
             pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
         wait_until(lambda: _loaded(stack), what="the whole store mapped")
+        wait_until(lambda: not stack.loading, what="the loader's end")
         rss, locked = _rss_and_locked_kib(path / "data.mdb")
         size = store.file_bytes
         assert rss * 1024 >= size and locked * 1024 >= size  # every page, held by the lock

@@ -7,6 +7,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 from itertools import pairwise
 from pathlib import Path
 
@@ -416,6 +417,31 @@ def test_cached_samples_are_not_read_ahead(store_path: Path) -> None:
                 lambda: ra.stats()["cached_batches"] == plan.num_batches, what="the whole pass"
             )
             assert ra.stats()["advised_records"] == 0 and ra.stats()["window_bytes"] == 0
+        finally:
+            ra.close()
+
+
+def test_nothing_is_read_ahead_while_the_store_streams_in_whole(store_path: Path) -> None:
+    loaded = threading.Event()
+    asked: list[bool] = []
+
+    def paused() -> bool:
+        asked.append(not loaded.is_set())
+        return asked[-1]
+
+    with SampleStore(store_path) as store:
+        plan = plan_pass(
+            np.arange(N), np.ones(N, np.float32), seed=0, epoch=0, phase="train",
+            world_size=1, batch_size=8,
+        )[0]  # fmt: skip
+        ra = ReadAhead(store, lambda ids: np.zeros(len(ids), bool), 1 << 30, paused=paused)
+        try:
+            ra.follow("k", plan, 0)  # type: ignore[arg-type]
+            # It has looked whether it may go on several times, and advised nothing.
+            wait_until(lambda: asked.count(True) >= 5, what="the read-ahead asking")
+            assert ra.stats()["advised_records"] == 0 and ra.stats()["window_bytes"] == 0
+            loaded.set()  # the load is done: the pass is read ahead as before
+            wait_until(lambda: ra.stats()["advised_records"] > 0, what="advice after the load")
         finally:
             ra.close()
 
