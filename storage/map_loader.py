@@ -37,25 +37,7 @@ MADV_RANDOM: Final = 1  # what LMDB asks of its map when opened without read-ahe
 MADV_SEQUENTIAL: Final = 2
 MADV_POPULATE_READ: Final = 22  # Linux 5.14
 CHUNK_BYTES: Final = 64 << 20  # one madvise: 16-45 ms of a cold disk here, so close is prompt
-MEMORY_SHARE: Final = 0.9  # of MemAvailable the file may take
-
-
-def available_bytes() -> int | None:
-    """The kernel's estimate of memory available without swapping (None: not known)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def fits_in_memory(nbytes: int) -> bool:
-    """Whether ``nbytes`` may be locked at start: within ``MEMORY_SHARE`` of what is available."""
-    free = available_bytes()
-    return free is not None and nbytes <= free * MEMORY_SHARE
+MEMORY_SHARE: Final = 0.9  # of MemAvailable the file may take (``SampleStore`` reads it)
 
 
 class MapLoader:

@@ -33,9 +33,9 @@ from loaderd.storage.admission import AdmissionQueue
 from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache, Held, own_copies
 from loaderd.storage.errors import CorruptRecordError, StorageError
-from loaderd.storage.map_loader import MapLoader, fits_in_memory
+from loaderd.storage.map_loader import MEMORY_SHARE, MapLoader
 from loaderd.storage.policies import ARENA, DRAM, Admitted, Move, Policy, make_policy
-from loaderd.storage.store import PIN_MIN_BYTES, SampleStore
+from loaderd.storage.store import PIN_MIN_BYTES, SampleStore, memory_available
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def load_whole(store: SampleStore) -> MapLoader | None:
     if span is None:
         return None
     lo, hi = span
-    if not fits_in_memory(hi - lo):
+    if hi - lo > memory_available() * MEMORY_SHARE:
         logger.info(
             "store %s: %d MiB is more than the memory available: it is brought into RAM as "
             "records are read, not at start",

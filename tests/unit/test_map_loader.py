@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loaderd.storage.map_loader import MapLoader, available_bytes, fits_in_memory
+from loaderd.storage.map_loader import MapLoader
 from loaderd.storage.store import SampleStore
 from loaderd.storage.tiers import TierStack
 from tests.helpers import evict, wait_until
@@ -95,10 +95,3 @@ def test_a_range_the_kernel_refuses_ends_the_loader_with_its_reason(tmp_path: Pa
 def test_a_chunk_must_be_whole_pages() -> None:
     with pytest.raises(ValueError, match="chunk_bytes"):
         MapLoader(0, 1, label="test", chunk_bytes=mmap.PAGESIZE + 1)
-
-
-def test_what_fits_in_memory_follows_what_the_kernel_says_is_available() -> None:
-    free = available_bytes()
-    assert free is not None and free > 0
-    assert fits_in_memory(mmap.PAGESIZE)
-    assert not fits_in_memory(free)  # all of it is more than the share taken
