@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 from loaderd.storage.syscalls import madvise
@@ -47,6 +48,7 @@ class MapLoader:
         address: the first byte of the range (a page boundary) in this process.
         length: its length in bytes.
         label: names the map in log lines.
+        on_done: called on the loader's thread once the whole range is mapped.
         chunk_bytes: bytes per system call (> 0, a multiple of the page size).
     """
 
@@ -56,6 +58,7 @@ class MapLoader:
         length: int,
         *,
         label: str,
+        on_done: Callable[[], None] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes % os.sysconf("SC_PAGE_SIZE"):
@@ -64,6 +67,7 @@ class MapLoader:
         self.length = length
         self.label = label
         self.chunk_bytes = chunk_bytes
+        self._on_done = on_done
         self.loaded_bytes = 0
         self.seconds = 0.0
         self.error: str | None = None  # why it stopped short, if it did
@@ -104,6 +108,8 @@ class MapLoader:
             self.loaded_bytes = offset
             self.seconds = time.perf_counter() - t0
         if self.done:
+            if self._on_done is not None:
+                self._on_done()
             logger.info(
                 "%s: the store is in RAM (%d MiB in %.1f s)",
                 self.label,

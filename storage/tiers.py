@@ -87,7 +87,7 @@ def load_whole(store: SampleStore) -> MapLoader | None:
             (hi - lo) >> 20,
         )
         return None
-    return MapLoader(lo, hi - lo, label=f"store {store.path}")
+    return MapLoader(lo, hi - lo, label=f"store {store.path}", on_done=store.map_loaded)
 
 
 class TierStack:

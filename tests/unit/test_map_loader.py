@@ -95,3 +95,27 @@ def test_a_range_the_kernel_refuses_ends_the_loader_with_its_reason(tmp_path: Pa
 def test_a_chunk_must_be_whole_pages() -> None:
     with pytest.raises(ValueError, match="chunk_bytes"):
         MapLoader(0, 1, label="test", chunk_bytes=mmap.PAGESIZE + 1)
+
+
+def test_records_of_a_map_mapped_whole_are_held_with_no_system_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, truth = big_store(tmp_path, 20, 40)
+    store = SampleStore(path)
+    with TierStack(store, store.file_bytes) as stack:
+        if not store.map_locked:
+            pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
+        wait_until(lambda: store.map_resident, what="the whole store mapped")
+        calls: list[int] = []
+        monkeypatch.setattr(
+            "loaderd.storage.store.populate_read", lambda a, n: calls.append(len(a)) or (1, 0)
+        )
+        with store.views(np.arange(20)) as views:
+            unpins = store.pin_many(views)
+        assert all(u is not None for u in unpins) and calls == []
+        assert stack.get_many(np.arange(20)) == truth
+    with SampleStore(path) as cold, TierStack(cold, cold.file_bytes, load_map=False):
+        assert not cold.map_resident
+        with cold.views(np.arange(20)) as views:
+            cold.pin_many(views)
+        assert calls == [20]  # without the loader, the pages are mapped record by record
