@@ -119,3 +119,16 @@ def test_records_of_a_map_mapped_whole_are_held_with_no_system_call(
         with cold.views(np.arange(20)) as views:
             cold.pin_many(views)
         assert calls == [20]  # without the loader, the pages are mapped record by record
+
+
+def test_a_store_larger_than_the_memory_available_is_not_brought_in_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A DRAM budget larger than the machine must not lock the machine's memory at start.
+    path, truth = big_store(tmp_path, 20, 40)
+    store = SampleStore(path)
+    monkeypatch.setattr("loaderd.storage.tiers.memory_available", lambda: store.file_bytes)
+    with caplog.at_level("INFO"), TierStack(store, 4 * store.file_bytes) as stack:
+        assert "map_load" not in stack.stats()["tiers"][0] and not stack.loading
+        assert "more than the memory available" in caplog.text
+        assert stack.get_many(np.arange(20)) == truth
