@@ -8,12 +8,13 @@ costs the DRAM admission 11-14 us of mapping a 100 KB record whose pages the pag
 holds one by one, as every random reader leaves them.
 
 Read in file order instead, a chunk at a time with the kernel's sequential hint, the file
-streams from the disk at its sequential rate (3.4-4.0 GB/s on the development VM, against
-1.4-1.8 GB/s for 32 threads of random 100 KB reads) into large folios, which a map takes
-2 MiB at a time: a warm record is then mapped in 0.2 us, and an admission finds its pages
-mapped already. So the tier stack starts one ``MapLoader`` thread when it locks the map, and
-the first epoch's records come from RAM as soon as the loader has passed them. The thread
-lets go of the GIL for each chunk (``madvise`` waits for the disk) and stops at ``close``.
+streams from the disk at its sequential rate (3.4-4.0 GB/s on the development VM in a quiet
+hour, against 1.4-1.8 GB/s for 32 threads of random 100 KB reads) into large folios, which a
+map takes 2 MiB at a time: a warm record is then mapped in 0.2 us, and an admission finds
+its pages mapped already. So the tier stack starts one ``MapLoader`` thread when it locks
+the map, and the first epoch's records come from RAM as soon as the loader has passed them.
+The thread lets go of the GIL for each chunk (``madvise`` waits for the disk) and stops at
+``close``.
 
 It runs only where the file fits in the memory the kernel says is available: a DRAM budget
 larger than the machine must not lock the machine's memory at start.
@@ -38,7 +39,7 @@ MADV_RANDOM: Final = 1  # what LMDB asks of its map when opened without read-ahe
 MADV_SEQUENTIAL: Final = 2
 MADV_POPULATE_READ: Final = 22  # Linux 5.14
 CHUNK_BYTES: Final = 64 << 20  # one madvise: 16-45 ms of a cold disk here, so close is prompt
-MEMORY_SHARE: Final = 0.9  # of MemAvailable the file may take (``SampleStore`` reads it)
+MEMORY_SHARE: Final = 0.9  # of MemAvailable (``store.memory_available``) the file may take
 
 
 class MapLoader:

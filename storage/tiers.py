@@ -73,7 +73,7 @@ class ArenaLoan:
             self._arena.give_back(lent)
 
 
-def load_whole(store: SampleStore) -> MapLoader | None:
+def _load_whole(store: SampleStore) -> MapLoader | None:
     """A ``MapLoader`` of the store's locked map, where the file fits in available memory."""
     span = store.locked_range
     if span is None:
@@ -174,7 +174,7 @@ class TierStack:
                 target=self._run_writer, name="loaderd-arena-writer", daemon=True
             )
             self._writer.start()
-        self._loader = load_whole(store) if load_map else None
+        self._loader = _load_whole(store) if load_map else None
 
     # ---- reads -----------------------------------------------------------------------------
 
