@@ -83,8 +83,9 @@ class ReadAhead:
             ahead, ``SampleStore.prefault``); not: a miss worker reads them through a map
             of its own, and mapping them here too would cost as much again. None: all.
         paused: while it says True, nothing is advised: the whole store is streaming into
-            RAM in file order (``TierStack.loading``), and random reads of the same file
-            would only slow that stream down for records it brings within the load.
+            RAM in file order, or is there, locked (``TierStack.in_ram_whole``). Random reads
+            of the same file would only slow that stream down for records it brings within
+            the load, and once it is in there is nothing left to read.
     """
 
     def __init__(

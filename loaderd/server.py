@@ -150,7 +150,7 @@ class Server:
             self.tiers.cached,
             config.prefetch.readahead_bytes,
             reads_here=self._reads_here,
-            paused=lambda: self.tiers.loading,
+            paused=lambda: self.tiers.in_ram_whole,
         )
         self.prefetch_depth = config.prefetch.depth  # `--autotune` moves it while serving
         self.autotune = autotune_daemon.build(self) if config.autotune.enabled else None

@@ -532,6 +532,15 @@ class TierStack:
         """Whether the whole store is being brought into RAM (``map_loader.py``) right now."""
         return self._loader is not None and self._loader.running
 
+    @property
+    def in_ram_whole(self) -> bool:
+        """Whether the whole store is, or is being brought, into RAM, its pages locked.
+
+        From the load's start until the tier stack closes, unless the load stopped short:
+        nothing of the store is left for a read-ahead to read.
+        """
+        return self._loader is not None and (self._loader.running or self._loader.done)
+
     def settle(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued DRAM admissions are done; False on timeout."""
         return self._admissions is None or self._admissions.flush(timeout_s)

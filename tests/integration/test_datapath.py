@@ -111,8 +111,10 @@ def admitted(address: str) -> dict[str, Any]:
 
 @pytest.fixture
 def served(store: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> Iterator[Daemon]:
-    evict(store[0])  # the first epoch is a cold one
-    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=["--dram-bytes", "8MiB"]) as d:
+    evict(store[0])  # the first epoch is a cold one, read ahead of the trainer: DRAM holds
+    # the whole store, which is not brought in at start here (``--no-dram-load``)
+    extra = ["--dram-bytes", "8MiB", "--no-dram-load"]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra) as d:
         yield d
 
 

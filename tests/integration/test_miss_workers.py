@@ -105,6 +105,8 @@ def test_a_store_dram_can_hold_is_brought_in_whole_at_start(
         ds = with_workers(d, "whole", 8)
         for _ in range(2):  # and every epoch is still the store's bytes
             assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        # All of it in RAM and locked: the read-ahead had nothing to ask the disk for.
+        assert stats(d.address)["readahead"]["advised_records"] == 0
         ds.close()
 
 

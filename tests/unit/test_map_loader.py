@@ -45,6 +45,7 @@ def test_a_store_dram_can_hold_is_mapped_and_locked_whole_from_the_disk(tmp_path
             pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
         wait_until(lambda: _loaded(stack), what="the whole store mapped")
         wait_until(lambda: not stack.loading, what="the loader's end")
+        assert stack.in_ram_whole  # loaded: nothing left for a read-ahead
         rss, locked = _rss_and_locked_kib(path / "data.mdb")
         size = store.file_bytes
         assert rss * 1024 >= size and locked * 1024 >= size  # every page, held by the lock
@@ -129,6 +130,7 @@ def test_a_store_larger_than_the_memory_available_is_not_brought_in_at_start(
     store = SampleStore(path)
     monkeypatch.setattr("loaderd.storage.tiers.memory_available", lambda: store.file_bytes)
     with caplog.at_level("INFO"), TierStack(store, 4 * store.file_bytes) as stack:
-        assert "map_load" not in stack.stats()["tiers"][0] and not stack.loading
+        assert "map_load" not in stack.stats()["tiers"][0]
+        assert not stack.loading and not stack.in_ram_whole
         assert "more than the memory available" in caplog.text
         assert stack.get_many(np.arange(20)) == truth
