@@ -122,6 +122,30 @@ def test_records_of_a_map_mapped_whole_are_held_with_no_system_call(
         assert calls == [20]  # without the loader, the pages are mapped record by record
 
 
+def test_reads_of_a_map_mapped_whole_ask_the_kernel_to_read_nothing_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's ranges asked for with ``WILLNEED`` (``advise_known``) walk the page cache
+    in the serving loop: a third of its time in a warm-miss epoch once all was in RAM."""
+    path, truth = big_store(tmp_path, 20, 40)
+    asked: list[int] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(
+        os, "posix_fadvise", lambda fd, o, n, a: asked.append(n) or real(fd, o, n, a)
+    )
+    for load in (True, False):
+        store = SampleStore(path)
+        with TierStack(store, store.file_bytes, load_map=load) as stack:
+            if not store.map_locked:
+                pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
+            assert store.value_index is not None
+            if load:
+                wait_until(lambda s=store: s.map_resident, what="the whole store mapped")
+            asked.clear()
+            assert stack.get_many(np.arange(20)) == truth
+            assert (asked == []) == load  # without the loader the batch's reads are asked for
+
+
 def test_a_store_larger_than_the_memory_available_is_not_brought_in_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
