@@ -218,8 +218,10 @@ def _read_path_rows(ra: dict[str, Any] | None, workers: dict[str, Any] | None) -
                 ),
                 (
                     "read how",
-                    f"{workers.get('read', 0):,} batches from the file into their slot, "
-                    f"{workers.get('sliced', 0) - workers.get('read', 0):,} from a map",
+                    f"{workers.get('read', 0) - workers.get('copied', 0):,} batches from the "
+                    f"file into their slot, {workers.get('copied', 0):,} copied from a map of "
+                    f"it, {workers.get('sliced', 0) - workers.get('read', 0):,} sliced from "
+                    "LMDB's map",
                 ),
                 ("from the arena", f"{workers.get('from_arena', 0):,} batches"),
             ],

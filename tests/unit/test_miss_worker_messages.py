@@ -8,10 +8,13 @@ import pytest
 from loaderd.miss_workers import decode_reply, decode_task, encode_reply, encode_task
 
 
+@pytest.mark.parametrize("from_map", [True, False])
 @pytest.mark.parametrize("with_arena", [True, False])
 @pytest.mark.parametrize("with_spans", [True, False])
 @pytest.mark.parametrize("n", [0, 1, 64])
-def test_a_task_arrives_as_it_was_sent(with_spans: bool, with_arena: bool, n: int) -> None:
+def test_a_task_arrives_as_it_was_sent(
+    with_spans: bool, with_arena: bool, n: int, from_map: bool
+) -> None:
     rng = np.random.default_rng(n)
     ids = rng.integers(0, 2**40, n)
     weights = rng.random(n).astype(np.float32)
@@ -24,9 +27,9 @@ def test_a_task_arrives_as_it_was_sent(with_spans: bool, with_arena: bool, n: in
             rng.integers(0, 9, n),
         )
     live = ["loaderd-ring-a", "loaderd-ring-b"]
-    raw = encode_task("loaderd-ring-b", 7, ids, weights, live, spans, arena)
-    ring, slot, got_ids, got_weights, got_live, got_spans, got_arena = decode_task(raw)
-    assert (ring, slot, got_live) == ("loaderd-ring-b", 7, live)
+    raw = encode_task("loaderd-ring-b", 7, ids, weights, live, spans, arena, from_map)
+    ring, slot, got_ids, got_weights, got_live, got_spans, got_arena, got_map = decode_task(raw)
+    assert (ring, slot, got_live, got_map) == ("loaderd-ring-b", 7, live, from_map)
     np.testing.assert_array_equal(got_ids, ids)
     np.testing.assert_array_equal(got_weights, weights)
     if spans is None:

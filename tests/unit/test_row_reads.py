@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,12 @@ def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """Every test runs twice: the loop in C (``read_rows.c``) and in Python, to the same end."""
     if request.param == "python":
         monkeypatch.setattr(row_reads, "_LIB", None)
+    return str(request.param)
+
+
+@pytest.fixture(params=["preadv", "map"])
+def source(request: pytest.FixtureRequest) -> str:
+    """Where ``read`` takes the records from: the file (``preadv``) or a map of it."""
     return str(request.param)
 
 
@@ -64,29 +72,32 @@ def records_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read(
-    path: Path, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+    path: Path, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, source: str = "preadv"
 ) -> dict[str, np.ndarray]:
     """The batch's fixed fields, read with ``read_rows`` into fresh frames."""
     writer = BatchWriter(SCHEMA)
     frames = fresh(writer.frame_sizes(len(ids))).frames
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with ExitStack() as stack:
+        fd = os.open(path, os.O_RDONLY)
+        stack.callback(os.close, fd)
+        mapped = None
+        if source == "map":
+            mapped = memoryview(stack.enter_context(mmap.mmap(fd, 0, prot=mmap.PROT_READ)))
+            stack.callback(mapped.release)
         writer.fill_read(
             ids,
             np.ones(len(ids), np.float32),
             frames,
-            lambda rows: read_rows(fd, ids, offsets, lengths, rows, "test file"),
+            lambda rows: read_rows(fd, ids, offsets, lengths, rows, "test file", mapped),
         )
-    finally:
-        os.close(fd)
     return dict(writer.wrap(frames).columns)  # type: ignore[arg-type]
 
 
-def test_each_field_lands_in_its_row(tmp_path: Path) -> None:
+def test_each_field_lands_in_its_row(tmp_path: Path, source: str) -> None:
     path = tmp_path / "records"
     offsets, lengths = records_file(path)
     ids = np.array([5, 0, 11, 2, 2], np.int64)  # any order, a repeat, both record versions
-    cols = read(path, ids, offsets[ids], lengths[ids])
+    cols = read(path, ids, offsets[ids], lengths[ids], source)
     for row, i in enumerate(ids.tolist()):
         want = sample(i)
         np.testing.assert_array_equal(cols["image"][row], want["image"])
@@ -106,7 +117,7 @@ def test_each_field_lands_in_its_row(tmp_path: Path) -> None:
     ],
 )
 def test_a_damaged_record_fails_naming_its_sample(
-    tmp_path: Path, where: int, message: str, bad: int
+    tmp_path: Path, where: int, message: str, bad: int, source: str
 ) -> None:
     path = tmp_path / "records"
     offsets, lengths = records_file(path)
@@ -115,10 +126,10 @@ def test_a_damaged_record_fails_naming_its_sample(
     path.write_bytes(bytes(data))
     ids = np.array([2, bad, 5, bad + 6], np.int64)
     with pytest.raises(CorruptRecordError, match=f"sample {bad}: {message} in test file"):
-        read(path, ids, offsets[ids], lengths[ids])
+        read(path, ids, offsets[ids], lengths[ids], source)
 
 
-def test_the_first_failing_record_in_row_order_is_named(tmp_path: Path) -> None:
+def test_the_first_failing_record_in_row_order_is_named(tmp_path: Path, source: str) -> None:
     path = tmp_path / "records"
     offsets, lengths = records_file(path)
     data = bytearray(path.read_bytes())
@@ -129,11 +140,34 @@ def test_the_first_failing_record_in_row_order_is_named(tmp_path: Path) -> None:
     lengths[2] -= 100  # too short for its rows: checked before any read
     offsets[3] += 100  # runs past the end of the file
     with pytest.raises(CorruptRecordError, match="sample 6: checksum mismatch"):
-        read(path, ids, offsets, lengths)
+        read(path, ids, offsets, lengths, source)
     with pytest.raises(CorruptRecordError, match=r"sample 8: record of .* its fields need"):
-        read(path, ids[[0, 2, 1]], offsets[[0, 2, 1]], lengths[[0, 2, 1]])
+        read(path, ids[[0, 2, 1]], offsets[[0, 2, 1]], lengths[[0, 2, 1]], source)
     with pytest.raises(CorruptRecordError, match=r"sample 11: record runs past the end"):
-        read(path, ids[[0, 3, 1]], offsets[[0, 3, 1]], lengths[[0, 3, 1]])
+        read(path, ids[[0, 3, 1]], offsets[[0, 3, 1]], lengths[[0, 3, 1]], source)
+
+
+def test_with_a_map_the_records_come_from_it_not_from_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    blank = tmp_path / "blank"
+    blank.write_bytes(bytes(path.stat().st_size))
+    ids = np.array([3, 0, 7], np.int64)
+    out = memoryview(bytearray(len(ids) * 20_000))
+    rows = [(out, RECORD_HEADER.size, 20_000)]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        fd = os.open(blank, os.O_RDONLY)
+        try:
+            with pytest.raises(CorruptRecordError, match="sample 3: record header is damaged"):
+                read_rows(fd, ids, offsets[ids], lengths[ids], rows, "f")  # the file's zeros
+            mapped = memoryview(m)
+            read_rows(fd, ids, offsets[ids], lengths[ids], rows, "f", mapped)
+            mapped.release()
+        finally:
+            os.close(fd)
+    images = np.frombuffer(out, np.uint8).reshape(len(ids), -1)
+    for row, i in enumerate(ids.tolist()):
+        np.testing.assert_array_equal(images[row], sample(i)["image"])
 
 
 def test_a_file_that_cannot_be_read_raises_oserror(tmp_path: Path) -> None:
@@ -143,24 +177,24 @@ def test_a_file_that_cannot_be_read_raises_oserror(tmp_path: Path) -> None:
         read(tmp_path, ids, offsets[ids], lengths[ids])
 
 
-def test_another_samples_record_fails_its_checksum(tmp_path: Path) -> None:
+def test_another_samples_record_fails_its_checksum(tmp_path: Path, source: str) -> None:
     # An offset that lands on sample 2's record, whole and valid: the checksum is seeded
     # with the id asked for, so it is not served as sample 4.
     path = tmp_path / "records"
     offsets, lengths = records_file(path)
     ids = np.array([4], np.int64)
     with pytest.raises(CorruptRecordError, match="sample 4: checksum mismatch"):
-        read(path, ids, offsets[[2]], lengths[[2]])
+        read(path, ids, offsets[[2]], lengths[[2]], source)
 
 
-def test_a_record_past_the_end_of_the_file_or_too_short_fails(tmp_path: Path) -> None:
+def test_a_record_past_the_end_of_the_file_or_too_short_fails(tmp_path: Path, source: str) -> None:
     path = tmp_path / "records"
     offsets, lengths = records_file(path)
     ids = np.array([N - 1], np.int64)
     with pytest.raises(CorruptRecordError, match=r"runs past the end of data\.mdb"):
-        read(path, ids, offsets[ids] + 100, lengths[ids])
+        read(path, ids, offsets[ids] + 100, lengths[ids], source)
     with pytest.raises(CorruptRecordError, match="its fields need"):
-        read(path, ids, offsets[ids], lengths[ids] - 100)
+        read(path, ids, offsets[ids], lengths[ids] - 100, source)
 
 
 def test_a_batch_with_variable_fields_is_not_read_into_rows() -> None:
@@ -169,7 +203,7 @@ def test_a_batch_with_variable_fields_is_not_read_into_rows() -> None:
         writer.fill_read(np.zeros(1, np.int64), np.ones(1, np.float32), [], lambda rows: None)
 
 
-def test_the_store_reads_rows_as_lmdb_returns_them(tmp_path: Path) -> None:
+def test_the_store_reads_rows_as_lmdb_returns_them(tmp_path: Path, source: str) -> None:
     db = tmp_path / "store"
     with StoreWriter(db, SCHEMA) as w:
         w.append([CODEC.encode(sample(i)) for i in range(N)])
@@ -183,14 +217,14 @@ def test_the_store_reads_rows_as_lmdb_returns_them(tmp_path: Path) -> None:
         weights = np.linspace(0, 1, len(ids), dtype=np.float32)
         rows: list[tuple[memoryview, int, int]] = []
         writer.fill_read(ids, weights, got, rows.extend)
-        store.read_rows(ids, offsets, lengths, rows)
+        store.read_rows(ids, offsets, lengths, rows, from_map=source == "map")
         assert store.reads == len(ids) and store.bytes_read == int(lengths.sum())
         want = fresh(writer.frame_sizes(len(ids))).frames
         with store.views(ids) as records:
             writer.fill(ids, weights, records, [], want)
         assert [bytes(f) for f in got] == [bytes(f) for f in want]
         with pytest.raises(CorruptRecordError, match=f"sample 9: checksum mismatch in store {db}"):
-            store.read_rows(ids[:1], offsets[1:2], lengths[1:2], rows)  # sample 1's record
+            store.read_rows(ids[:1], offsets[1:2], lengths[1:2], rows, from_map=source == "map")
         assert store.corrupt == 1
 
 

@@ -72,6 +72,7 @@ def realistic_stats() -> dict[str, Any]:
                 "fallbacks": 3,
                 "sliced": 1_500,
                 "read": 1_400,
+                "copied": 400,
                 "from_arena": 1_204,
             },
         },
@@ -144,7 +145,7 @@ def test_format_table_contains_the_key_figures() -> None:
         "2 of 2 (0 lost)",
         "1,537 (assembled by the daemon instead: 3)",
         "1,204 batches",  # of them, with arena records the workers copied
-        "1,400 batches from the file into their slot, 100 from a map",
+        "1,000 batches from the file into their slot, 400 copied from a map of it, 100 sliced",
     ]:
         assert expected in table, f"{expected!r} missing from:\n{table}"
     assert lines[0] == "dataset"
