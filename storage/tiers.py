@@ -338,9 +338,10 @@ class TierStack:
             # Locking pages (or copying) for DRAM is the slow part of an admission: done
             # before taking the lock, so that assembly threads overlap it; with a queue,
             # records large enough to be locked are left to it (a small one's copy costs
-            # less than queueing it).
+            # less than queueing it), unless every page of the map is mapped already: then
+            # holding one costs no system call, less than waking the queue's thread.
             admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
-            if self._admissions is not None:
+            if self._admissions is not None and not self.store.map_resident:
                 admits = dict.fromkeys(s for s in admits if len(got[s]) < PIN_MIN_BYTES)
             held = dict(zip(admits, self.dram.hold_many([got[s] for s in admits]), strict=True))
             try:

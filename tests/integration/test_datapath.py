@@ -285,12 +285,13 @@ def test_dram_admission_behind_serving_or_inline(
     queue: str, store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     # "1": a queue smaller than one record, so a batch's admissions but one are dropped (the
-    # serving path never waits for it); "0": admission during the read, as a fallback.
+    # serving path never waits for it); "0": admission during the read, as a fallback. Not
+    # loaded whole at start: records of a map all mapped are admitted by the read, not queued.
     db, samples = store
     with open(db / "data.mdb", "rb") as f:  # a warm miss: page cache warm, DRAM empty
         while f.read(1 << 20):
             pass
-    extra = ["--dram-bytes", "8MiB", "--dram-admit-queue", queue]
+    extra = ["--dram-bytes", "8MiB", "--dram-admit-queue", queue, "--no-dram-load"]
     with Daemon(db=db, state_dir=tmp_path / "st", extra=extra) as d:
         ds = LoaderdDataset(d.address, job="admit", batch_size=8)
         assert sorted(check_epoch(ds, samples)) == list(range(N))

@@ -146,6 +146,26 @@ def test_reads_of_a_map_mapped_whole_ask_the_kernel_to_read_nothing_ahead(
             assert (asked == []) == load  # without the loader the batch's reads are asked for
 
 
+def test_records_of_a_map_mapped_whole_are_admitted_by_the_read_not_queued(
+    tmp_path: Path,
+) -> None:
+    """Holding a record of a mapped map costs no system call: less than waking the
+    admission queue's thread, which then took the GIL from the serving loop every batch."""
+    path, truth = big_store(tmp_path, 20, 40)
+    for load in (True, False):
+        store = SampleStore(path)
+        with TierStack(store, store.file_bytes, load_map=load, admit_queue_bytes=8 << 20) as stack:
+            if not store.map_locked:
+                pytest.skip("this process may not lock the store's map (RLIMIT_MEMLOCK)")
+            if load:
+                wait_until(lambda s=store: s.map_resident, what="the whole store mapped")
+            assert stack.get_many(np.arange(20)) == truth
+            assert stack.settle()
+            dram = stack.stats()["tiers"][0]
+            assert dram["items"] == 20
+            assert dram["admitted_late"] == (0 if load else 20)
+
+
 def test_a_store_larger_than_the_memory_available_is_not_brought_in_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
