@@ -277,7 +277,7 @@ class MissWorkers:
             return self._unlend(loan)
         # A cold batch's reads go out together (those of records a tier holds need none).
         store.advise_known(missing.tolist())
-        rows = loan is None and spans is not None and reads_rows(self._writer, spans[1])
+        rows = spans is not None and reads_rows(self._writer, spans[1])
         from_map = rows and self._copies_from_map()
         try:
             worker.conn.send_bytes(
@@ -630,16 +630,25 @@ def _fill(
     verified against its sample's checksum as well. The offset answered for those is -1.
     ``from_map``: records read into rows are copied from this process's map of the file.
     """
-    if arena is None and spans is not None and reads_rows(writer, spans[1]):
-        # Large records of fixed fields: read from the file into the slot's rows.
+    if spans is not None and reads_rows(writer, spans[1]):
+        # Large records of fixed fields: read from the file (or copied from the arena's map:
+        # an arena record is the store's) into the slot's rows, and verified there.
         sizes = writer.frame_sizes(len(ids))
         frames = _slot_frames(ring, slot, sizes)
         if frames is None:
             return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
         offsets, lengths = spans
-        read = partial(store.read_rows, ids, offsets, lengths, from_map=from_map)
+        elsewhere = None
+        if arena is not None:
+            mapped, at, _ = arena
+            lent = at >= 0
+            elsewhere = ("the arena", mapped, lent)
+            offsets = np.where(lent, at, offsets)
+        read = partial(
+            store.read_rows, ids, offsets, lengths, from_map=from_map, elsewhere=elsewhere
+        )
         writer.fill_read(ids, weights, frames, read)
-        return ("ok", sizes, offsets, lengths)
+        return ("ok", sizes, spans[0] if arena is None else np.where(lent, -1, spans[0]), lengths)
     here = np.ones(len(ids), bool) if arena is None else arena[1] < 0
     mine = ids[here]
     with (

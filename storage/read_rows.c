@@ -3,8 +3,8 @@
  *
  * For record i: one preadv of lengths[i] bytes at offsets[i] that scatters the record as it
  * goes: its header to headers + i * head, each field's bytes [offset, offset + width) to row i
- * of that field's frame, and the bytes between and after them to `scratch`; or, given a map
- * of the file, the same pieces copied from it with memcpy. Then the xxh3-64
+ * of that field's frame, and the bytes between and after them to `scratch`; or, given the
+ * address of the record in a map, the same pieces copied from there with memcpy. Then the xxh3-64
  * of everything after the header, in record order, seeded with seeds[i], into digests[i],
  * while the pieces are still in the cache. The hash is xxHash's own, from the library
  * python-xxhash is built with: the caller passes its functions (`hasher_t`), so the record
@@ -53,26 +53,23 @@ static int read_all(int fd, struct iovec *iov, int count, size_t total, off_t at
     return 0;
 }
 
-/* The same as read_all from a map of the file (`size` bytes at `base`): 0, or 1 past its end. */
-static int copy_all(const char *base, size_t size, const struct iovec *iov, int count,
-                    size_t total, size_t at) {
-    if (at > size || total > size - at)
-        return 1;
+/* The same pieces copied from a record that lies whole at `from` (the caller checked it). */
+static void copy_all(const char *from, const struct iovec *iov, int count) {
     for (int p = 0; p < count; p++) {
-        memcpy(iov[p].iov_base, base + at, iov[p].iov_len);
-        at += iov[p].iov_len;
+        memcpy(iov[p].iov_base, from, iov[p].iov_len);
+        from += iov[p].iov_len;
     }
-    return 0;
 }
 
 /* Returns n when every record was read; i < n when record i runs past the end of the file
  * (records before it are read and hashed); -errno when a read failed; -EINVAL when the fields
  * need more pieces than one call takes (as preadv would), -ENOMEM when no hash state could be
- * made. `base` NULL: read from `fd`; else copied from `size` bytes of the file mapped there. */
-long loaderd_read_rows(int fd, const char *base, size_t size, size_t n, const int64_t *offsets,
-                       const int64_t *lengths, const uint64_t *seeds, char *headers, size_t head,
-                       const out_t *outs, size_t nouts, char *scratch, const hasher_t *h,
-                       uint64_t *digests) {
+ * made. Record i is read from `fd` at offsets[i] unless from[i] (`from` not NULL) gives the
+ * address where it lies whole in a map: it is copied from there. */
+long loaderd_read_or_copy_rows(int fd, const uint64_t *from, size_t n, const int64_t *offsets,
+                               const int64_t *lengths, const uint64_t *seeds, char *headers,
+                               size_t head, const out_t *outs, size_t nouts, char *scratch,
+                               const hasher_t *h, uint64_t *digests) {
     static __thread struct iovec pieces[MAX_PIECES], iov[MAX_PIECES]; /* 32 KB: off the stack */
     if (2 * nouts + 2 > MAX_PIECES)
         return -EINVAL;
@@ -95,8 +92,11 @@ long loaderd_read_rows(int fd, const char *base, size_t size, size_t n, const in
             pieces[count++] = (struct iovec){scratch + pos, length - pos};
         for (int p = 0; p < count; p++)
             iov[p] = pieces[p];
-        int r = base != NULL ? copy_all(base, size, iov, count, length, (size_t)offsets[i])
-                             : read_all(fd, iov, count, length, (off_t)offsets[i]);
+        int r = 0;
+        if (from != NULL && from[i] != 0)
+            copy_all((const char *)(uintptr_t)from[i], iov, count);
+        else
+            r = read_all(fd, iov, count, length, (off_t)offsets[i]);
         if (r != 0) {
             h->free(state);
             return r < 0 ? r : done;

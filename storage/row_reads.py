@@ -32,7 +32,9 @@ landed. The first read of a record then maps its pages, which costs more than ``
 every later one costs a copy and no system call. Measured in the daemon's workers (20,000
 records of 100 KB, a store four times DRAM, warm page cache, 2 cores): 8-9 us a record of
 worker CPU from the third pass on, against 12.5-13 with ``preadv``; 15 against 13 in the
-first pass. The daemon chooses (``MissWorkers._copies_from_map``).
+first pass. The daemon chooses (``MissWorkers._copies_from_map``). The source is chosen
+record by record: records of the NVRAM arena, in the store's format at offsets of the
+arena's, are copied from a worker's map of the arena file in the same call (``maps``).
 
 Only a caller that knows each record's place in the file (the value index) reads this way,
 and only records whose checksums name their samples, or whose place LMDB confirmed: a wrong
@@ -59,6 +61,8 @@ from loaderd.storage.syscalls import address_of
 logger = logging.getLogger(__name__)
 
 Rows = Sequence[tuple[memoryview, int, int]]  # (out, offset in the record, width), as gather_rows
+# Files mapped whole, by name, and per record the one it is copied from (-1: read from the fd).
+Maps = tuple[Sequence[tuple[str, memoryview]], np.ndarray]
 
 
 class _Hasher(ctypes.Structure):
@@ -82,12 +86,12 @@ def _load() -> tuple[ctypes.PyDLL, _Hasher] | None:
         logger.info("xxHash's streaming XXH3 is not exported: records are read from Python")
         return None
     lib = ctypes.PyDLL(spec.origin)
-    if not hasattr(lib, "loaderd_read_rows"):
+    if not hasattr(lib, "loaderd_read_or_copy_rows"):
         logger.info("the compiled record reader is out of date: records are read from Python")
         return None
     p, n, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    lib.loaderd_read_rows.argtypes = [i, p, n, n, p, p, p, p, n, p, n, p, p, p]
-    lib.loaderd_read_rows.restype = ctypes.c_long
+    lib.loaderd_read_or_copy_rows.argtypes = [i, p, n, p, p, p, p, n, p, n, p, p, p]
+    lib.loaderd_read_or_copy_rows.restype = ctypes.c_long
     return lib, _Hasher(*fns)
 
 
@@ -114,7 +118,7 @@ def read_rows(
     lengths: np.ndarray,
     rows: Rows,
     where: str,
-    mapped: memoryview | None = None,
+    maps: Maps | None = None,
 ) -> None:
     """Read record i (``lengths[i]`` bytes at ``offsets[i]`` of ``fd``) into row i of each out.
 
@@ -127,8 +131,9 @@ def read_rows(
             record go to row i of ``out``, a buffer of ``len(ids)`` rows; disjoint ranges past
             the header. Bytes of a record no range covers are read and hashed, not kept.
         where: names the store in errors.
-        mapped: a map of the whole file: the records are copied from it instead of read
-            (pages another read of this process mapped already cost no system call).
+        maps: (``(name, view)`` of files mapped whole, ``source``): record i is copied from
+            the map ``source[i]`` at ``offsets[i]`` instead of read from ``fd`` (-1). Pages a
+            read of this process mapped already cost no system call.
 
     Raises:
         CorruptRecordError: the first record (in row order) that is short, too short for its
@@ -136,21 +141,34 @@ def read_rows(
     """
     order = sorted(rows, key=lambda r: r[1])
     need = max((off + width for _, off, width in order), default=RECORD_HEADER.size)
+    offsets = np.asarray(offsets, np.int64)
     lengths = np.asarray(lengths, np.int64)
-    short = np.flatnonzero(lengths < need)
-    upto = int(short[0]) if len(short) else len(ids)  # records before the first too short
+    bad = lengths < need
+    if maps is not None:
+        views, source = maps
+        ends = np.array([view.nbytes for _, view in views] + [np.iinfo(np.int64).max])
+        # Each must lie within its map (-1, the file: a short read says so).
+        bad |= (offsets + lengths > ends[source]) | ((source >= 0) & (offsets < 0))
+    first = np.flatnonzero(bad)
+    upto = int(first[0]) if len(first) else len(ids)  # records before the first checked bad
+    part = None if maps is None else (maps[0], maps[1][:upto])
     read = _read_python if _LIB is None else partial(_read_compiled, _LIB)
-    read(fd, mapped, ids[:upto], offsets[:upto], lengths[:upto], order, need, where)
+    read(fd, part, ids[:upto], offsets[:upto], lengths[:upto], order, need, where)
     if upto < len(ids):
-        raise CorruptRecordError(
-            int(ids[upto]), where, f"record of {int(lengths[upto])} bytes, its fields need {need}"
-        )
+        sid, length = int(ids[upto]), int(lengths[upto])
+        if length < need:
+            raise CorruptRecordError(
+                sid, where, f"record of {length} bytes, its fields need {need}"
+            )
+        assert maps is not None
+        name = maps[0][int(maps[1][upto])][0]
+        raise CorruptRecordError(sid, where, f"record runs past the end of {name}")
 
 
 def _read_compiled(
     lib: tuple[ctypes.PyDLL, _Hasher],
     fd: int,
-    mapped: memoryview | None,
+    maps: Maps | None,
     ids: np.ndarray,
     offsets: np.ndarray,
     lengths: np.ndarray,
@@ -175,11 +193,17 @@ def _read_compiled(
     headers = np.empty(n, HEADER_DTYPE)
     digests = np.empty(n, np.uint64)
     scratch = np.empty(max(int(lengths.max()), need), np.uint8)
-    base, size = (None, 0) if mapped is None else (address_of(mapped), mapped.nbytes)
-    done = fn.loaderd_read_rows(
-        fd, base, size, n, offsets.ctypes.data, lengths.ctypes.data, seeds.ctypes.data,
-        headers.ctypes.data, head, table.ctypes.data, len(order), scratch.ctypes.data,
-        ctypes.byref(hasher), digests.ctypes.data,
+    start = None
+    if maps is not None:  # where each record lies in its map (0: read from the fd)
+        views, source = maps
+        start = np.zeros(n, np.uint64)
+        for k, (_, view) in enumerate(views):
+            mine = source == k
+            start[mine] = address_of(view) + offsets[mine].astype(np.uint64)
+    done = fn.loaderd_read_or_copy_rows(
+        fd, None if start is None else start.ctypes.data, n, offsets.ctypes.data,
+        lengths.ctypes.data, seeds.ctypes.data, headers.ctypes.data, head, table.ctypes.data,
+        len(order), scratch.ctypes.data, ctypes.byref(hasher), digests.ctypes.data,
     )  # fmt: skip
     if done < 0:
         raise OSError(-done, f"reading records of {where}: {os.strerror(-done)}")
@@ -194,7 +218,8 @@ def _read_compiled(
     first = int(np.argmax(failed)) if failed.any() else done
     for i in unseeded[unseeded < first].tolist():
         one = slice(i, i + 1)
-        _read_python(fd, mapped, ids[one], offsets[one], lengths[one], _row(order, i), need, where)
+        one_map = None if maps is None else (maps[0], maps[1][one])
+        _read_python(fd, one_map, ids[one], offsets[one], lengths[one], _row(order, i), need, where)
     if first < done:
         if damaged[first]:
             raise CorruptRecordError(int(ids[first]), where, "record header is damaged")
@@ -210,7 +235,7 @@ def _row(order: Rows, i: int) -> list[tuple[memoryview, int, int]]:
 
 def _read_python(
     fd: int,
-    mapped: memoryview | None,
+    maps: Maps | None,
     ids: np.ndarray,
     offsets: np.ndarray,
     lengths: np.ndarray,
@@ -233,9 +258,10 @@ def _read_python(
             pos = off + width
         if length > pos:
             pieces.append(scratch[pos:length])
-        got = (
-            os.preadv(fd, pieces, start) if mapped is None else _copy(mapped, pieces, start, length)
-        )
+        if maps is None or (k := int(maps[1][i])) < 0:
+            got = os.preadv(fd, pieces, start)
+        else:
+            got = _copy(maps[0][k][1], pieces, start, length)
         if got != length:
             raise CorruptRecordError(sid, where, "record runs past the end of data.mdb")
         digest, body_bytes, version = RECORD_HEADER.unpack_from(scratch)
@@ -249,9 +275,7 @@ def _read_python(
 
 
 def _copy(mapped: memoryview, pieces: list[memoryview], start: int, length: int) -> int:
-    """``preadv`` of ``pieces`` from a map of the file: the bytes copied (0 past its end)."""
-    if start + length > mapped.nbytes:
-        return 0
+    """``preadv`` of ``pieces`` from a map of a file, the record checked to lie in it."""
     for piece in pieces:
         piece[:] = mapped[start : start + piece.nbytes]
         start += piece.nbytes

@@ -277,6 +277,7 @@ class SampleStore:
         rows: Rows,
         *,
         from_map: bool = False,
+        elsewhere: tuple[str, memoryview, np.ndarray] | None = None,
     ) -> None:
         """Records at file offsets the daemon gave (``sliceable_spans``), read into ``rows``.
 
@@ -284,14 +285,27 @@ class SampleStore:
         nothing mapped (``row_reads.py``): for records ``row_reads.worth_reading``.
         ``from_map``: copied instead from a map of data.mdb of this store's own, not
         LMDB's (whose ``MADV_RANDOM`` would read a cold record a page at a time): once
-        mapped, a record costs a copy and no system call.
+        mapped, a record costs a copy and no system call. ``elsewhere``: (name, map, which):
+        the records ``which`` selects are copied from that map of another file, in the
+        store's record format, at their ``offsets`` there (the NVRAM arena's).
 
         Raises:
             CorruptRecordError: the first record that fails, naming its sample and this store.
         """
-        mapped = memoryview(self._file_map) if from_map else None
+        maps = None
+        if from_map or elsewhere is not None:
+            views: list[tuple[str, memoryview]] = []
+            source = np.full(len(ids), -1, np.int8)
+            if from_map:
+                views.append(("data.mdb", memoryview(self._file_map)))
+                source[:] = 0
+            if elsewhere is not None:
+                name, view, which = elsewhere
+                source[which] = len(views)
+                views.append((name, view))
+            maps = views, source
         try:
-            read_rows(self._data_fd(), ids, offsets, lengths, rows, f"store {self.path}", mapped)
+            read_rows(self._data_fd(), ids, offsets, lengths, rows, f"store {self.path}", maps)
         except CorruptRecordError:
             self.corrupt += 1
             raise

@@ -39,6 +39,17 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Data:
     return root / "big.db", arrays
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    """20 KB samples of fixed fields: read into a slot's rows (``row_reads.py``)."""
+    from loaderd.storage.ingest import ingest
+
+    root = tmp_path_factory.mktemp("wide")
+    arrays = make_npz(root / "wide.npz", N, shape=(5, 64, 64), seed=4)
+    ingest(root / "wide.npz", root / "wide.db", progress=False)
+    return root / "wide.db", arrays
+
+
 def nvram(path: Path, size: str = "8MiB", *more: str) -> list[str]:
     return ["--nvram-dir", str(path), "--nvram-bytes", size, *more]
 
@@ -171,14 +182,16 @@ def test_corrupt_arena_records_are_dropped_counted_and_read_from_the_store(
         d.close()
 
 
+@pytest.mark.parametrize("data", ["big", "wide"])
 def test_miss_workers_copy_arena_records_and_a_bad_one_is_read_from_the_store(
-    big: Data, tmp_path: Path
+    data: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     # Every record lives in the arena after the first pass (no DRAM): the workers copy the
-    # next passes from the arena file, lent to them, and verify each record themselves.
-    db, arrays = big
+    # next passes from the arena file, lent to them, and verify each record themselves;
+    # 20 KB records of fixed fields straight into their rows of the slot.
+    db, arrays = request.getfixturevalue(data)
     arena = tmp_path / "nv" / "loaderd.arena"
-    extra = [*nvram(tmp_path / "nv"), "--dram-bytes", "0", "--miss-procs", "2"]
+    extra = [*nvram(tmp_path / "nv", "32MiB"), "--dram-bytes", "0", "--miss-procs", "2"]
     d = Daemon(db=db, state_dir=tmp_path / "s", extra=extra)
     try:
         d.start()
@@ -189,6 +202,8 @@ def test_miss_workers_copy_arena_records_and_a_bad_one_is_read_from_the_store(
         s = stats(d)
         workers, nv = s["miss_workers"], s["tiers"][1]
         assert workers["from_arena"] > 0 and workers["fallbacks"] == 0
+        # 20 KB: every batch a worker took was read into its rows, those lent arena records too.
+        assert workers["read"] == (workers["batches"] if data == "wide" else 0)
         assert nv["hits"] == N
         assert s["backing"]["reads"] == N  # the daemon read none of them again
         # A record whose bytes change in the file: the worker's check fails it, the daemon

@@ -80,10 +80,11 @@ def read(
     with ExitStack() as stack:
         fd = os.open(path, os.O_RDONLY)
         stack.callback(os.close, fd)
-        mapped = None
+        mapped: row_reads.Maps | None = None
         if source == "map":
-            mapped = memoryview(stack.enter_context(mmap.mmap(fd, 0, prot=mmap.PROT_READ)))
-            stack.callback(mapped.release)
+            view = memoryview(stack.enter_context(mmap.mmap(fd, 0, prot=mmap.PROT_READ)))
+            stack.callback(view.release)
+            mapped = [("data.mdb", view)], np.zeros(len(ids), np.int8)
         writer.fill_read(
             ids,
             np.ones(len(ids), np.float32),
@@ -161,13 +162,53 @@ def test_with_a_map_the_records_come_from_it_not_from_the_file(tmp_path: Path) -
             with pytest.raises(CorruptRecordError, match="sample 3: record header is damaged"):
                 read_rows(fd, ids, offsets[ids], lengths[ids], rows, "f")  # the file's zeros
             mapped = memoryview(m)
-            read_rows(fd, ids, offsets[ids], lengths[ids], rows, "f", mapped)
+            read_rows(
+                fd,
+                ids,
+                offsets[ids],
+                lengths[ids],
+                rows,
+                "f",
+                ([("m", mapped)], np.zeros(3, np.int8)),
+            )
             mapped.release()
         finally:
             os.close(fd)
     images = np.frombuffer(out, np.uint8).reshape(len(ids), -1)
     for row, i in enumerate(ids.tolist()):
         np.testing.assert_array_equal(images[row], sample(i)["image"])
+
+
+def test_each_record_comes_from_the_file_or_from_its_own_map(tmp_path: Path) -> None:
+    # An NVRAM arena holds records in the store's format at offsets of its own: a batch
+    # takes some from the store's file, some from the arena's map.
+    path = tmp_path / "records"
+    offsets, lengths = records_file(path)
+    other = tmp_path / "other"
+    other.write_bytes(b"\xcd" * 4096 + path.read_bytes())  # the same records, 4 KiB further
+    ids = np.array([3, 0, 7, 10], np.int64)
+    source = np.array([-1, 0, 0, -1], np.int8)
+    at = offsets[ids] + np.where(source == 0, 4096, 0)
+    out = memoryview(bytearray(len(ids) * 20_000))
+    rows = [(out, RECORD_HEADER.size, 20_000)]
+    with open(other, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        fd = os.open(path, os.O_RDONLY)
+        view = memoryview(m)
+        try:
+            read_rows(fd, ids, at, lengths[ids], rows, "f", ([("the other", view)], source))
+            images = np.frombuffer(out, np.uint8).reshape(len(ids), -1)
+            for row, i in enumerate(ids.tolist()):
+                np.testing.assert_array_equal(images[row], sample(i)["image"])
+            # Offsets of the file, not of the map: sample 0 is not where it is taken from.
+            with pytest.raises(CorruptRecordError, match="sample 0: record header is damaged"):
+                read_rows(fd, ids, offsets[ids], lengths[ids], rows, "f", ([("o", view)], source))
+            past = at.copy()
+            past[2] = len(view) - 10
+            with pytest.raises(CorruptRecordError, match=r"sample 7: .* past the end of the other"):
+                read_rows(fd, ids, past, lengths[ids], rows, "f", ([("the other", view)], source))
+        finally:
+            view.release()
+            os.close(fd)
 
 
 def test_a_file_that_cannot_be_read_raises_oserror(tmp_path: Path) -> None:
