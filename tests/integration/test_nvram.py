@@ -31,23 +31,24 @@ Data = tuple[Path, dict[str, np.ndarray]]
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Data:
     """3 KB samples: 1.5 MB in all, more than a small arena holds."""
-    from loaderd.storage.ingest import ingest
-
-    root = tmp_path_factory.mktemp("big")
-    arrays = make_npz(root / "big.npz", N, shape=(3, 32, 32), seed=3)
-    ingest(root / "big.npz", root / "big.db", progress=False)
-    return root / "big.db", arrays
+    return _ingested(tmp_path_factory, "big", (3, 32, 32), seed=3)
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory: pytest.TempPathFactory) -> Data:
     """20 KB samples of fixed fields: read into a slot's rows (``row_reads.py``)."""
+    return _ingested(tmp_path_factory, "wide", (5, 64, 64), seed=4)
+
+
+def _ingested(
+    factory: pytest.TempPathFactory, name: str, shape: tuple[int, ...], seed: int
+) -> Data:
     from loaderd.storage.ingest import ingest
 
-    root = tmp_path_factory.mktemp("wide")
-    arrays = make_npz(root / "wide.npz", N, shape=(5, 64, 64), seed=4)
-    ingest(root / "wide.npz", root / "wide.db", progress=False)
-    return root / "wide.db", arrays
+    root = factory.mktemp(name)
+    arrays = make_npz(root / f"{name}.npz", N, shape=shape, seed=seed)
+    ingest(root / f"{name}.npz", root / f"{name}.db", progress=False)
+    return root / f"{name}.db", arrays
 
 
 def nvram(path: Path, size: str = "8MiB", *more: str) -> list[str]:
