@@ -638,17 +638,17 @@ def _fill(
         if frames is None:
             return ("full", f"the batch needs {layout_bytes(sizes)} bytes")
         offsets, lengths = spans
-        elsewhere = None
+        answered, elsewhere = offsets, None  # an arena record's file offset is answered -1
         if arena is not None:
             mapped, at, _ = arena
             lent = at >= 0
             elsewhere = ("the arena", mapped, lent)
-            offsets = np.where(lent, at, offsets)
+            offsets, answered = np.where(lent, at, offsets), np.where(lent, -1, offsets)
         read = partial(
             store.read_rows, ids, offsets, lengths, from_map=from_map, elsewhere=elsewhere
         )
         writer.fill_read(ids, weights, frames, read)
-        return ("ok", sizes, spans[0] if arena is None else np.where(lent, -1, spans[0]), lengths)
+        return ("ok", sizes, answered, lengths)
     here = np.ones(len(ids), bool) if arena is None else arena[1] < 0
     mine = ids[here]
     with (

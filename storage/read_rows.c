@@ -4,8 +4,8 @@
  * For record i: one preadv of lengths[i] bytes at offsets[i] that scatters the record as it
  * goes: its header to headers + i * head, each field's bytes [offset, offset + width) to row i
  * of that field's frame, and the bytes between and after them to `scratch`; or, given the
- * address of the record in a map, the same pieces copied from there with memcpy. Then the xxh3-64
- * of everything after the header, in record order, seeded with seeds[i], into digests[i],
+ * address of the record in a map, the same pieces copied from there with memcpy. Then the
+ * xxh3-64 of everything after the header, in record order, seeded with seeds[i], into digests[i],
  * while the pieces are still in the cache. The hash is xxHash's own, from the library
  * python-xxhash is built with: the caller passes its functions (`hasher_t`), so the record
  * format and the choice of hash stay in Python. Plain C without Python's headers, loaded with
