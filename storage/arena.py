@@ -47,7 +47,9 @@ from loaderd.storage.arena_format import (
 )
 from loaderd.storage.arena_snapshot import SnapshotRegion
 from loaderd.storage.errors import CorruptRecordError, StorageError, StoreFullError
+from loaderd.storage.row_reads import read_whole
 from loaderd.storage.safe_files import UnsafePathError, open_private
+from loaderd.storage.syscalls import address_of
 
 __all__ = ["HEADER_PAGE", "Arena", "record_extent"]
 
@@ -282,7 +284,13 @@ class Arena:
         """
         return self.put_many([(sample_id, payload)], evict=evict)
 
-    def put_many(self, items: Iterable[tuple[int, Payload]], *, evict: bool = True) -> list[int]:
+    def put_many(
+        self,
+        items: Iterable[tuple[int, Payload]],
+        *,
+        evict: bool = True,
+        read_from: tuple[int, np.ndarray] | None = None,
+    ) -> list[int]:
         """Append samples to the log with one pair of flushes for the whole batch.
 
         Payloads are written and flushed, then their commit words are written and flushed;
@@ -293,6 +301,11 @@ class Arena:
         Args:
             items: ``(sample_id, payload)`` pairs.
             evict: Whether older records may be evicted to make room.
+            read_from: ``(fd, offsets)``: the payload of item i lies at ``offsets[i]`` of
+                ``fd`` as well (-1: it does not), and is read from there by the kernel, for
+                the whole batch in one call that lets go of the GIL
+                (``row_reads.read_whole``). The payload is then not touched here: a view of
+                a map whose pages this process has not mapped costs more to copy than to read.
 
         Returns:
             The ids evicted to make room (they are no longer in the arena).
@@ -307,28 +320,37 @@ class Arena:
             with self._lock:
                 self._check_open()
             written: list[Rec] = []
+            reads: list[tuple[Rec, int, Payload]] = []  # placed, to be read from the file
             batch_bytes = 0
             self._batch_seq = self._seq
             try:
-                for sample_id, payload in items:
-                    extent = record_extent(memoryview(payload).nbytes)
+                for k, (sample_id, payload) in enumerate(items):
+                    length = memoryview(payload).nbytes
+                    extent = record_extent(length)
                     if batch_bytes + extent > self._log_bytes // 2:
                         # Commit early: an uncommitted batch spanning (with the space a wrap
                         # wastes) at most the whole ring can never overwrite itself.
+                        written += self._read_in(read_from, reads)
                         self._commit(written)
-                        written, batch_bytes = [], 0
+                        written, reads, batch_bytes = [], [], 0
                         self._batch_seq = self._seq
-                    written.append(self._write(sample_id, payload, evict, evicted))
+                    at = -1 if read_from is None else int(read_from[1][k])
+                    rec = self._reserve(sample_id, length, evict, evicted)
+                    if at >= 0:
+                        reads.append((rec, at, payload))
+                    else:
+                        written.append(self._fill(rec, payload, xxh(payload)))
                     batch_bytes += extent
             finally:
+                written += self._read_in(read_from, reads)
                 self._commit(written)
                 self._batch_seq = self._seq
         return evicted
 
-    def _write(self, sample_id: int, payload: Payload, evict: bool, evicted: list[int]) -> Rec:
+    def _reserve(self, sample_id: int, length: int, evict: bool, evicted: list[int]) -> Rec:
+        """Room at the head for a record (its header not yet written, its checksums unknown)."""
         if not 0 <= sample_id <= _MAX_SAMPLE_ID:
             raise ValueError(f"`sample_id` must be in [0, 2**63), got {sample_id}")
-        length = memoryview(payload).nbytes
         extent = record_extent(length)
         if extent > self._log_bytes:
             raise StoreFullError(
@@ -342,11 +364,45 @@ class Arena:
             self._head = off + extent
             self._ring.append((off, extent, sample_id, seq))
             self._used += extent
-        # Not indexed until its commit: no reader looks here while it is written.
-        header, hxh = pack_record_header(self._uid, seq, sample_id, payload)
-        self._mm[off : off + len(header)] = header
-        self._mm[off + REC_HEAD : off + REC_HEAD + length] = payload
-        return Rec(off, extent, seq, sample_id, length, 0, hxh)
+        return Rec(off, extent, seq, sample_id, length, 0, 0)
+
+    def _fill(self, rec: Rec, payload: Payload | None, payload_xxh: int) -> Rec:
+        """Write a reserved record's header, and its payload unless it is in place already.
+
+        Not indexed until its commit: no reader looks here while it is written.
+        """
+        header, hxh = pack_record_header(self._uid, rec.seq, rec.sample_id, rec.length, payload_xxh)
+        self._mm[rec.off : rec.off + len(header)] = header
+        if payload is not None:
+            self._mm[rec.off + REC_HEAD : rec.off + REC_HEAD + rec.length] = payload
+        return rec._replace(payload_xxh=payload_xxh, header_xxh=hxh)
+
+    def _read_in(
+        self, read_from: tuple[int, np.ndarray] | None, reads: list[tuple[Rec, int, Payload]]
+    ) -> list[Rec]:
+        """Fill reserved records from the file, hashed where they landed; copied where not.
+
+        A read that fails (the file shorter than it was, a closed descriptor) leaves the
+        batch to be copied from its payloads as any other.
+        """
+        if not reads:
+            return []
+        assert read_from is not None
+        recs = [rec for rec, _, _ in reads]
+        base = address_of(memoryview(self._mm)) + REC_HEAD
+        try:
+            digests = read_whole(
+                read_from[0],
+                np.array([at for _, at, _ in reads], np.int64),
+                np.array([rec.length for rec in recs], np.int64),
+                np.array([base + rec.off for rec in recs], np.uint64),
+            )
+        except OSError as e:
+            logger.debug("arena %s: reading a batch from its file failed (%s)", self.path, e)
+            digests = None
+        if digests is None:
+            return [self._fill(rec, payload, xxh(payload)) for rec, _, payload in reads]
+        return [self._fill(rec, None, d) for rec, d in zip(recs, digests.tolist(), strict=True)]
 
     def _flush_records(self, recs: list[Rec]) -> None:
         runs: list[list[int]] = []

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 import numpy as np
-import xxhash
+
+from loaderd.storage.checksum import xxh3_64
 
 Payload = bytes | bytearray | memoryview
 
@@ -47,8 +48,13 @@ _SCAN_CHUNK: Final = 64 << 20
 
 
 def xxh(data: Payload) -> int:
-    """The xxh3_64 checksum used throughout the arena."""
-    return xxhash.xxh3_64_intdigest(data)
+    """The xxh3_64 checksum used throughout the arena.
+
+    With the GIL held, as the store's checksums are (``checksum.py`` says why): the arena's
+    writer thread hashes every record it admits, and python-xxhash's own call, letting go of
+    the GIL for a record over 64 KiB, kept the server loop waiting for it each time.
+    """
+    return xxh3_64(data)
 
 
 def _align(n: int, to: int) -> int:
@@ -161,11 +167,12 @@ class Layout:
 HEADER_BYTES: Final = _HEADER.size + CHECKSUM.size
 
 
-def pack_record_header(uid: int, seq: int, sample_id: int, payload: Payload) -> tuple[bytes, int]:
+def pack_record_header(
+    uid: int, seq: int, sample_id: int, length: int, payload_xxh: int
+) -> tuple[bytes, int]:
     """A record header's bytes and its checksum (which the commit word is derived from)."""
-    length = memoryview(payload).nbytes
     fields = _REC.pack(
-        _REC_MAGIC, FORMAT_VERSION, _REC_KIND_SAMPLE, 0, uid, seq, sample_id, length, xxh(payload)
+        _REC_MAGIC, FORMAT_VERSION, _REC_KIND_SAMPLE, 0, uid, seq, sample_id, length, payload_xxh
     )
     hxh = xxh(fields)
     return fields + CHECKSUM.pack(hxh), hxh

@@ -10,6 +10,8 @@
  * python-xxhash is built with: the caller passes its functions (`hasher_t`), so the record
  * format and the choice of hash stay in Python. Plain C without Python's headers, loaded with
  * ctypes.PyDLL (the GIL stays held: a miss worker runs no other thread).
+ *
+ * `loaderd_read_whole`, at the end, reads whole records to given addresses for the arena.
  */
 #include <errno.h>
 #include <stddef.h>
@@ -108,4 +110,32 @@ long loaderd_read_or_copy_rows(int fd, const uint64_t *from, size_t n, const int
     }
     h->free(state);
     return done;
+}
+
+/* Whole records read from `fd` (lengths[i] bytes at offsets[i]) to the addresses dests[i] of
+ * this process, each then hashed where it landed, seed 0, into digests[i]: how the NVRAM
+ * arena's writer copies records of data.mdb into its log (storage/arena.py) without mapping
+ * the store's pages into the daemon. Loaded with ctypes.CDLL: the GIL is let go for the whole
+ * batch. Returns n; i < n when record i runs past the end of the file (those before it are
+ * read and hashed); -errno when a read failed; -ENOMEM when no hash state could be made. */
+long loaderd_read_whole(int fd, size_t n, const int64_t *offsets, const int64_t *lengths,
+                        const uint64_t *dests, const hasher_t *h, uint64_t *digests) {
+    void *state = h->create();
+    if (state == NULL)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        void *dest = (void *)(uintptr_t)dests[i];
+        size_t length = (size_t)lengths[i];
+        struct iovec iov = {dest, length};
+        int r = read_all(fd, &iov, 1, length, (off_t)offsets[i]);
+        if (r != 0) {
+            h->free(state);
+            return r < 0 ? r : (long)i;
+        }
+        h->reset(state, 0);
+        h->update(state, dest, length);
+        digests[i] = h->digest(state);
+    }
+    h->free(state);
+    return (long)n;
 }

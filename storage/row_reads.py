@@ -47,8 +47,9 @@ import ctypes
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -97,6 +98,56 @@ def _load() -> tuple[ctypes.PyDLL, _Hasher] | None:
 
 _LIB = _load()
 AVAILABLE = _LIB is not None
+
+
+def _load_whole() -> Callable[..., int] | None:
+    """``loaderd_read_whole`` through ``ctypes.CDLL``, which lets go of the GIL for the call."""
+    spec = importlib.util.find_spec("loaderd.storage._read_rows")
+    if _LIB is None or spec is None or spec.origin is None:
+        return None
+    fn: Any = getattr(ctypes.CDLL(spec.origin), "loaderd_read_whole", None)
+    if fn is None:
+        logger.info("the compiled record reader is out of date: arena records are copied")
+        return None
+    p, n = ctypes.c_void_p, ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, n, p, p, p, p, p]
+    fn.restype = ctypes.c_long
+    return cast(Callable[..., int], fn)
+
+
+_READ_WHOLE = _load_whole()
+
+
+def read_whole(
+    fd: int, offsets: np.ndarray, lengths: np.ndarray, dests: np.ndarray
+) -> np.ndarray | None:
+    """Read record i (``lengths[i]`` bytes at ``offsets[i]`` of ``fd``) to address ``dests[i]``.
+
+    The kernel copies from the page cache and nothing of the file is mapped here; each record
+    is then hashed where it landed. One call for the batch, the GIL let go throughout: the
+    caller (the arena's writer thread) keeps whatever ``dests`` lie in mapped meanwhile.
+
+    Returns:
+        Each record's xxh3-64 (seed 0); None where the compiled reader is not built.
+
+    Raises:
+        OSError: a read failed, or a record runs past the end of the file.
+    """
+    if _READ_WHOLE is None or _LIB is None:
+        return None
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    lengths = np.ascontiguousarray(lengths, np.int64)
+    dests = np.ascontiguousarray(dests, np.uint64)
+    digests = np.empty(len(offsets), np.uint64)
+    done = _READ_WHOLE(
+        fd, len(offsets), offsets.ctypes.data, lengths.ctypes.data, dests.ctypes.data,
+        ctypes.byref(_LIB[1]), digests.ctypes.data,
+    )  # fmt: skip
+    if done < 0:
+        raise OSError(-done, f"reading whole records: {os.strerror(-done)}")
+    if done < len(offsets):
+        raise OSError(f"record {done} of the batch runs past the end of the file")
+    return digests
 
 
 # Pieces one ``preadv`` takes (Linux's IOV_MAX; ``read_rows.c`` has the same bound): a record

@@ -338,6 +338,23 @@ class SampleStore:
             return None
         return np.fromiter((address_of(v) - base for v in views), np.int64, len(views))
 
+    def file_extents(self, records: Sequence[bytes | memoryview]) -> tuple[int, np.ndarray] | None:
+        """data.mdb's descriptor and where in it each record lies; None: none lies in it.
+
+        A record that is a view of this process's map of data.mdb has its file offset there;
+        any other has -1. For a copy that should not map the records' pages here (the arena's
+        writer: ``Arena.put_many(read_from=...)``).
+        """
+        base = self._map_start
+        if base is None or not records:
+            return None
+        offsets = np.fromiter((address_of(r) - base for r in records), np.int64, len(records))
+        lengths = np.fromiter(map(len, records), np.int64, len(records))
+        inside = (offsets >= 0) & (offsets + lengths <= self.file_bytes)
+        if not inside.any():
+            return None
+        return self._data_fd(), np.where(inside, offsets, -1)
+
     @cached_property
     def _map_start(self) -> int | None:
         """The address of data.mdb's first byte in this process (LMDB maps the whole file)."""

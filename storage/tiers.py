@@ -649,8 +649,11 @@ class TierStack:
                     moving[s] = rec
         self.relocated += len(moving)
         items = list(moving.items()) + batch
+        # Records that are views of the store's map are read from its file into the log: the
+        # daemon has not mapped their pages, and mapping them cost more than the read.
+        read_from = self.store.file_extents([r for _, r in items])
         try:
-            evicted = arena.put_many(items)
+            evicted = arena.put_many(items, read_from=read_from)
         finally:
             with self._lock:
                 for s, r in batch:

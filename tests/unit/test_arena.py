@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loaderd.storage import arena as arena_mod
-from loaderd.storage import arena_format
+from loaderd.storage import arena_format, row_reads
 from loaderd.storage.arena import HEADER_PAGE, Arena, record_extent
 from loaderd.storage.arena_snapshot import SLOT_HEAD
 from loaderd.storage.durability import filesystem_type, probe_durability
@@ -246,6 +246,39 @@ def test_wrap_around_keeps_the_newest(path: Path) -> None:
         assert check_served(a, expected) == kept
         a.put(1000, b"after reopen")  # the ring carries on from the recovered head
         assert a.get(1000) == b"after reopen" and a.get(399) == expected[399]
+
+
+def test_payloads_read_from_a_file_through_laps_and_a_reopen(path: Path, tmp_path: Path) -> None:
+    """``read_from``: the kernel reads each payload from the file into the log, hashed there."""
+    if not row_reads.AVAILABLE:
+        pytest.skip("the compiled record reader is not built")
+    expected = {i: payload(i, size=500 + (i * 131) % 17_000) for i in range(300)}
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"".join(expected.values()))
+    at = np.cumsum([0] + [len(v) for v in expected.values()])[:-1]
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with Arena(path, SMALL, FP) as a:
+            for j in range(0, 300, 60):  # five batches over a 252 KiB log: laps, early commits
+                ids = list(range(j, j + 60))
+                offsets = at[ids].copy()
+                offsets[::3] = -1  # these copied from their payloads as before
+                # The payload gives the length; what the log holds comes from the file.
+                items = [
+                    (i, expected[i] if k % 3 == 0 else bytes(len(expected[i])))
+                    for k, i in enumerate(ids)
+                ]
+                a.put_many(items, read_from=(fd, offsets))
+            kept = set(a.ids().tolist())
+            assert 299 in kept and check_served(a, expected) == kept
+        with Arena(path, SMALL, FP) as a:
+            assert set(a.ids().tolist()) == kept and a.recovery_dropped == 0
+            assert check_served(a, expected) == kept
+            # A read that fails (past the end of the file) copies the batch from its payloads.
+            a.put_many([(1000, b"copied"), (1001, b"too")], read_from=(fd, np.array([0, 1 << 40])))
+            assert a.get(1000) == b"copied" and a.get(1001) == b"too"
+    finally:
+        os.close(fd)
 
 
 @given(

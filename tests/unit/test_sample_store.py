@@ -58,6 +58,20 @@ def test_round_trip(tmp_path: Path) -> None:
         assert store.bytes_read == sum(len(recs[i]) for i in (0, 17, 49, 49, 0, 3, 3))
 
 
+def test_file_extents_name_views_of_the_map_and_nothing_else(tmp_path: Path) -> None:
+    """Where each view of LMDB's map lies in data.mdb (the arena's writer reads it there)."""
+    path = tmp_path / "store"
+    recs = write_store(path, 20)
+    with SampleStore(path) as store, store.views([3, 11, 3]) as views:
+        got = store.file_extents([*views, recs[5], memoryview(bytearray(recs[5]))])
+        assert got is not None
+        fd, offsets = got
+        assert offsets.tolist()[3:] == [-1, -1]  # copies: not in the map
+        for off, rec in zip(offsets[:3].tolist(), [recs[3], recs[11], recs[3]], strict=True):
+            assert os.pread(fd, len(rec), off) == rec
+        assert store.file_extents([recs[5]]) is None and store.file_extents([]) is None
+
+
 def test_fingerprint_depends_on_content(tmp_path: Path) -> None:
     write_store(tmp_path / "a", 10)
     write_store(tmp_path / "b", 10)
