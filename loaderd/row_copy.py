@@ -32,10 +32,13 @@ STREAM_BYTES = 1 << 20
 # thread and up to 8 served 100 KB hits at 84k, 71k and 79k samples/s against 66k, 63k and
 # 79k with 2 MiB and up to 4 (alternating fresh daemons; ``docs/design.md``, "On a machine
 # of many cores"); on 2 cores 512 KiB split 20 KB hits' 1.3 MB batches in two and ran them
-# at 49-71k samples/s against 64-77k (hit epochs of three alternating pairs).
+# at 49-71k samples/s against 64-77k (hit epochs of three alternating pairs). On 2 cores one
+# thread copies as fast as two, memory being the bound (20-21 GB/s either way), and leaves
+# the other core to the trainer: 100 KB hits at 132-149k samples/s for 6.4-7.3 us of the
+# daemon's CPU a sample, against 132-144k for 9.6-10.5 with two (three alternating pairs).
 _CORES = len(os.sched_getaffinity(0))
 THREAD_BYTES = 512 << 10 if _CORES >= 8 else 2 << 20
-THREADS = min(8, _CORES)
+THREADS = min(8, _CORES) if _CORES > 2 else 1
 
 
 def _load() -> ctypes.PyDLL | None:
