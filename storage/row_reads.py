@@ -72,9 +72,15 @@ class _Hasher(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("create", "free", "reset", "update", "digest")]
 
 
-def _load() -> tuple[ctypes.PyDLL, _Hasher] | None:
+def _built() -> str | None:
+    """The compiled record reader's file; None where it was not built."""
     spec = importlib.util.find_spec("loaderd.storage._read_rows")
-    if spec is None or spec.origin is None:
+    return None if spec is None else spec.origin
+
+
+def _load() -> tuple[ctypes.PyDLL, _Hasher] | None:
+    origin = _built()
+    if origin is None:
         logger.info("the compiled record reader is not built: records are read from Python")
         return None
     try:
@@ -86,7 +92,7 @@ def _load() -> tuple[ctypes.PyDLL, _Hasher] | None:
     except (OSError, AttributeError):
         logger.info("xxHash's streaming XXH3 is not exported: records are read from Python")
         return None
-    lib = ctypes.PyDLL(spec.origin)
+    lib = ctypes.PyDLL(origin)
     if not hasattr(lib, "loaderd_read_or_copy_rows"):
         logger.info("the compiled record reader is out of date: records are read from Python")
         return None
@@ -102,10 +108,10 @@ AVAILABLE = _LIB is not None
 
 def _load_whole() -> Callable[..., int] | None:
     """``loaderd_read_whole`` through ``ctypes.CDLL``, which lets go of the GIL for the call."""
-    spec = importlib.util.find_spec("loaderd.storage._read_rows")
-    if _LIB is None or spec is None or spec.origin is None:
+    origin = _built()
+    if _LIB is None or origin is None:
         return None
-    fn: Any = getattr(ctypes.CDLL(spec.origin), "loaderd_read_whole", None)
+    fn: Any = getattr(ctypes.CDLL(origin), "loaderd_read_whole", None)
     if fn is None:
         logger.info("the compiled record reader is out of date: arena records are copied")
         return None

@@ -327,7 +327,7 @@ class SampleStore:
         base = self._map_start
         return None if base is None else map_view(base, self.file_bytes)
 
-    def file_offsets(self, views: Sequence[memoryview]) -> np.ndarray | None:
+    def file_offsets(self, views: Sequence[bytes | memoryview]) -> np.ndarray | None:
         """Where in data.mdb each view (from ``views``) starts; None where that is unknown.
 
         What a miss worker tells the daemon, so that the daemon may slice those records
@@ -345,10 +345,9 @@ class SampleStore:
         any other has -1. For a copy that should not map the records' pages here (the arena's
         writer: ``Arena.put_many(read_from=...)``).
         """
-        base = self._map_start
-        if base is None or not records:
+        offsets = self.file_offsets(records) if records else None
+        if offsets is None:
             return None
-        offsets = np.fromiter((address_of(r) - base for r in records), np.int64, len(records))
         lengths = np.fromiter(map(len, records), np.int64, len(records))
         inside = (offsets >= 0) & (offsets + lengths <= self.file_bytes)
         if not inside.any():
