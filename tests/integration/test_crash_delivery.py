@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -29,7 +30,20 @@ EPOCHS = 2
 BATCH = 8  # 480 / 2 ranks / 8 = 30 batches per rank and epoch
 
 
-def trainer(address: str, rank: int, counter: mp.Value, out: mp.Queue, workers: int) -> None:
+def trainer(
+    address: str, rank: int, counter: mp.Value, gate: mp.Value, out: mp.Queue, workers: int
+) -> None:
+    """Train EPOCHS epochs; put (rank, ids per epoch) on ``out``, or (rank, the traceback)."""
+    try:
+        out.put((rank, train(address, rank, counter, gate, workers)))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+        raise
+
+
+def train(
+    address: str, rank: int, counter: mp.Value, gate: mp.Value, workers: int
+) -> list[list[int]]:
     import time
 
     ds = LoaderdDataset(
@@ -62,34 +76,65 @@ def trainer(address: str, rank: int, counter: mp.Value, out: mp.Queue, workers: 
             ds.feedback(batch["id"], batch["label"].float())
             with counter.get_lock():
                 counter.value += 1
+            while counter.value >= gate.value:  # the test is restarting the daemon: wait
+                time.sleep(0.005)
             time.sleep(0.01)  # a training step
         got.append(ids)
     ds.close()
-    out.put((rank, got))
+    return got
 
 
 def run_trainers(
-    d: Daemon, kill_at: list[int], on_kill, workers: int = 2
+    d: Daemon, kill_at: list[int], on_kill, workers: int = 2, hold: bool = False
 ) -> dict[int, list[list[int]]]:  # type: ignore[no-untyped-def]
+    """Two ranks of trainers; ``on_kill(i)`` once they have trained ``kill_at[i]`` batches.
+
+    With ``hold`` their loops wait at each of those counts (or at once, if past it when
+    ``on_kill(i - 1)`` returns) until ``on_kill(i, resume)`` calls ``resume()``: the daemon it
+    starts first still has the rest of the run to serve (the loops cannot run on and finish
+    the epochs with batches prefetched before it is up).
+    """
     ctx = mp.get_context("fork")
     counter = ctx.Value("i", 0)
+    never = 1 << 30
+    gate = ctx.Value("i", kill_at[0] if hold else never)
     out: mp.Queue = ctx.Queue()
-    args = [(d.address, r, counter, out, workers) for r in range(2)]
+    args = [(d.address, r, counter, gate, out, workers) for r in range(2)]
     procs = [ctx.Process(target=trainer, args=a) for a in args]
     for p in procs:
         p.start()
+    results: dict[int, list[list[int]] | str] = {}
+
+    def crashed() -> bool:  # (not "exited": one rank may finish well before the other)
+        return any(p.exitcode not in (None, 0) for p in procs)
+
     try:
         for i, target in enumerate(kill_at):
-            wait_until(lambda t=target: counter.value >= t, 60, f"{target} batches")
-            on_kill(i)
-        results = dict(out.get(timeout=60) for _ in procs)
+            wait_until(lambda t=target: counter.value >= t or crashed(), 60, f"{target} batches")
+            if crashed():
+                raise AssertionError(f"a trainer failed before {target} batches")
+            if not hold:
+                on_kill(i)
+                continue
+            on_kill(i, lambda: setattr(gate, "value", never))
+            gate.value = kill_at[i + 1] if i + 1 < len(kill_at) else never
+        results.update(out.get(timeout=60) for _ in procs)
+    except AssertionError as e:  # a trainer that failed is the likelier story: tell it
+        while not out.empty() and len(results) < len(procs):
+            results.update([out.get()])
+        errors = {r: v for r, v in results.items() if isinstance(v, str)}
+        if errors:
+            raise AssertionError(f"{e}; a trainer failed: {errors}") from e
+        raise
     finally:
         for p in procs:
             p.join(10)
             if p.exitcode is None:
                 p.kill()
+    errors = {r: v for r, v in results.items() if isinstance(v, str)}
+    assert not errors, f"a trainer failed: {errors}"
     assert [p.exitcode for p in procs] == [0, 0]
-    return results
+    return results  # type: ignore[return-value]
 
 
 def check_exactly_once(results: dict[int, list[list[int]]]) -> None:
@@ -145,10 +190,10 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     total = EPOCHS * N_SAMPLES // BATCH
     # The first point to fire is the first pass opened (armed before the trainers start).
     points = ["open-pass", *(p for p in crashpoints.POINTS if p != "open-pass")]
-    # The others are armed through the first three quarters of the run: a point armed with
-    # a few batches left may never be reached (the trainers can take the last batches,
-    # prefetched, and have them acknowledged before the armed daemon is up, which then has
-    # nothing to write).
+    # The others are armed through the first three quarters of the run, the trainers' loops
+    # held meanwhile: a point armed with a few batches left may never be reached (the trainers
+    # could take the last batches, prefetched, and have them acknowledged before the armed
+    # daemon is up, which then has nothing to write).
     last = total * 3 // 4
     kill_at = [0, *(2 + k * (last - 2) // (len(points) - 1) for k in range(len(points) - 1))]
     exits: list[int | None] = []
@@ -164,16 +209,17 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
         )
         monkeypatch.delenv("LOADERD_CRASH_AT")
 
-    def crash(i: int) -> None:
+    def crash(i: int, resume: Callable[[], None]) -> None:
         if i:
             arm(points[i])
+        resume()
         assert daemon.proc is not None
         wait_until(lambda: daemon.proc.poll() is not None, 30, f"crash at {points[i]}")
         exits.append(daemon.proc.returncode)
         daemon.start()
 
     arm(points[0])
-    check_exactly_once(run_trainers(daemon, kill_at, crash))
+    check_exactly_once(run_trainers(daemon, kill_at, crash, hold=True))
     assert exits == [crashpoints.EXIT_STATUS] * len(points)
     log = daemon.log.read_text()
     for p in points:
