@@ -11,17 +11,26 @@ When the queue holds its bound, an offer is refused at once (the caller forgets 
 a later read may admit the record again): serving never waits for admission. Bytes count from
 the offer until ``admit`` returns, so the bound also caps the work under way. An empty queue
 takes one record of any size, so a bound smaller than a record means one at a time.
+
+Admissions that copy (a daemon that may not lock pages) are background work that competes
+with serving for the cores: ``background()`` lowers the worker's CPU priority (``nice`` +10),
+so DRAM fills from the time serving leaves. Page locks are cheap and their next epoch's hits
+are what they buy: niced, they fell behind (docs/design.md), so that worker keeps the
+daemon's priority.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 Admit = Callable[[list[tuple[int, memoryview]]], None]
+
+BACKGROUND_NICE = 10  # what ``background()`` adds to the worker's nice value
 
 
 class AdmissionQueue:
@@ -44,8 +53,10 @@ class AdmissionQueue:
         self._busy = False
         self._stop = False
         self._cond = threading.Condition()
+        self._background = False
         self._thread = threading.Thread(target=self._run, name="loaderd-dram-admit", daemon=True)
         self._thread.start()
+        self._tid: int = self._thread.native_id  # type: ignore[assignment]  # (started)
 
     def offer(self, sample_id: int, view: memoryview) -> bool:
         """Queue a verified record for admission; False (nothing queued) when full or closed."""
@@ -66,6 +77,24 @@ class AdmissionQueue:
                 self._cond.notify()
             self.dropped += len(items) - took
             return [sample_id for sample_id, _ in items[took:]]
+
+    @property
+    def niceness(self) -> int:
+        """The worker thread's nice value (Linux keeps one per thread)."""
+        return os.getpriority(os.PRIO_PROCESS, self._tid)
+
+    def background(self) -> None:
+        """Lower the worker's CPU priority by ``BACKGROUND_NICE``, once (module doc).
+
+        Where the system refuses (not Linux), the worker keeps the daemon's priority.
+        """
+        if self._background:
+            return
+        self._background = True
+        try:
+            os.setpriority(os.PRIO_PROCESS, self._tid, min(19, self.niceness + BACKGROUND_NICE))
+        except OSError as e:
+            logger.debug("DRAM admission keeps the daemon's priority: %s", e)
 
     def _run(self) -> None:
         while True:

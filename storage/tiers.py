@@ -505,6 +505,8 @@ class TierStack:
         """
         ids = [sid for sid, _ in batch]
         held = self.dram.hold_many([view for _, view in batch])  # pages mapped in one call
+        if self._admissions is not None and any(unpin is None for _, unpin in held):
+            self._admissions.background()  # copies, not locks: serving comes first
         for lo in range(0, len(held), _ADMIT_CHUNK):  # short turns at the serving path's lock
             chunk = held[lo : lo + _ADMIT_CHUNK]
             try:

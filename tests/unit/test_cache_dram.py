@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import mmap
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from loaderd.storage.admission import BACKGROUND_NICE
 from loaderd.storage.arena import Arena
 from loaderd.storage.dram import DramCache, own_copies
 from loaderd.storage.policies import DRAM
@@ -549,3 +552,25 @@ def test_without_recency_hits_leave_the_order_and_the_oldest_admitted_goes_first
     assert c.get(0) == rec(0) and c.get_all([1, 0]) == [rec(1), rec(0)] and c.hits == 3
     c.put(3, rec(3))
     assert 0 not in c and list(c._items) == [1, 2, 3]
+
+
+def test_admissions_that_copy_yield_the_cpu_and_those_that_lock_do_not(tmp_path: Path) -> None:
+    # A copy into fresh memory is background work that took a core from serving (admission.py).
+    path, truth = big_store(tmp_path, 40, 40)
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for lock_pages in (False, True):
+        store = SampleStore(path)
+        stack = TierStack(
+            store, store.file_bytes - 1, admit_queue_bytes=8 << 20, lock_pages=lock_pages
+        )
+        try:
+            assert stack.get_many(np.arange(40)) == truth
+            assert stack.settle() and len(stack.dram) == 40
+            copied = stack.dram.pinned < 40  # locking refused (RLIMIT_MEMLOCK) copies too
+            assert copied or lock_pages
+            niced = min(19, here + BACKGROUND_NICE) if copied else here
+            assert stack._admissions is not None and stack._admissions.niceness == niced
+            assert stack.get_many(np.arange(40)) == truth  # served from DRAM all the same
+            assert stack.stats()["tiers"][0]["hits"] == 40
+        finally:
+            stack.close()
