@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,18 +34,40 @@ BATCH = 8  # 480 / 2 ranks / 8 = 30 batches per rank and epoch
 
 
 def trainer(
-    address: str, rank: int, counter: mp.Value, gate: mp.Value, out: mp.Queue, workers: int
+    address: str, rank: int, trained: mp.Array, gate: mp.Value, out: mp.Queue, workers: int
 ) -> None:
     """Train EPOCHS epochs; put (rank, ids per epoch) on ``out``, or (rank, the traceback)."""
     try:
-        out.put((rank, train(address, rank, counter, gate, workers)))
+        out.put((rank, train(address, rank, trained, gate, workers)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
         raise
 
 
+def stacks(pids: list[int]) -> str:
+    """Where each of these processes waits, to say why a DataLoader got nothing.
+
+    Python stacks where py-spy is installed (the bench extra), else each thread's kernel
+    wait channel (a futex: a lock; an epoll or poll: a socket).
+    """
+    spy = Path(sys.executable).with_name("py-spy")
+    if spy.exists():
+        run = [
+            subprocess.run(
+                [spy, "dump", "--pid", str(p)], capture_output=True, text=True, timeout=20
+            )
+            for p in pids
+        ]
+        return "".join(f"\n{r.stdout[:3000]}{r.stderr[:300]}" for r in run)
+    waits = []
+    for p in pids:
+        tasks = sorted(Path(f"/proc/{p}/task").glob("*/wchan"))
+        waits.append(f"\npid {p} threads wait in: {[t.read_text() for t in tasks]}")
+    return "".join(waits)
+
+
 def train(
-    address: str, rank: int, counter: mp.Value, gate: mp.Value, workers: int
+    address: str, rank: int, trained: mp.Array, gate: mp.Value, workers: int
 ) -> list[list[int]]:
     import time
 
@@ -67,18 +92,32 @@ def train(
             if time.monotonic() > deadline:
                 raise
     context = "fork" if workers else None
-    loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context)
+    # No batch for 25 s (a daemon restart takes ~1): fail, saying where the workers are.
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context=context,
+        timeout=25 if workers else 0,
+    )
     got: list[list[int]] = []
     for _ in range(EPOCHS):
         ids: list[int] = []
-        for batch in loader:
-            ids += batch["id"].tolist()
-            ds.feedback(batch["id"], batch["label"].float())
-            with counter.get_lock():
-                counter.value += 1
-            while counter.value >= gate.value:  # the test is restarting the daemon: wait
-                time.sleep(0.005)
-            time.sleep(0.01)  # a training step
+        it = iter(loader)
+        try:
+            for batch in it:
+                ids += batch["id"].tolist()
+                ds.feedback(batch["id"], batch["label"].float())
+                with trained.get_lock():
+                    trained[rank] += 1
+                while sum(trained) >= gate.value:  # the test is restarting the daemon: wait
+                    time.sleep(0.005)
+                time.sleep(0.01)  # a training step
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+            pids = [w.pid for w in getattr(it, "_workers", [])]
+            raise RuntimeError(f"{e}; where its workers are:{stacks(pids)}") from e
         got.append(ids)
     ds.close()
     return got
@@ -95,11 +134,11 @@ def run_trainers(
     the epochs with batches prefetched before it is up).
     """
     ctx = mp.get_context("fork")
-    counter = ctx.Value("i", 0)
+    trained = ctx.Array("i", 2)  # batches each rank's loop received
     never = 1 << 30
     gate = ctx.Value("i", kill_at[0] if hold else never)
     out: mp.Queue = ctx.Queue()
-    args = [(d.address, r, counter, gate, out, workers) for r in range(2)]
+    args = [(d.address, r, trained, gate, out, workers) for r in range(2)]
     procs = [ctx.Process(target=trainer, args=a) for a in args]
     for p in procs:
         p.start()
@@ -110,7 +149,7 @@ def run_trainers(
 
     try:
         for i, target in enumerate(kill_at):
-            wait_until(lambda t=target: counter.value >= t or crashed(), 60, f"{target} batches")
+            wait_until(lambda t=target: sum(trained) >= t or crashed(), 60, f"{target} batches")
             if crashed():
                 raise AssertionError(f"a trainer failed before {target} batches")
             if not hold:
@@ -123,9 +162,8 @@ def run_trainers(
         while not out.empty() and len(results) < len(procs):
             results.update([out.get()])
         errors = {r: v for r, v in results.items() if isinstance(v, str)}
-        if errors:
-            raise AssertionError(f"{e}; a trainer failed: {errors}") from e
-        raise
+        told = f"{e}; batches each rank trained: {list(trained)}"
+        raise AssertionError(f"{told}; a trainer failed: {errors}" if errors else told) from e
     finally:
         for p in procs:
             p.join(10)
