@@ -147,6 +147,9 @@ def run_trainers(
     def crashed() -> bool:  # (not "exited": one rank may finish well before the other)
         return any(p.exitcode not in (None, 0) for p in procs)
 
+    def failures() -> dict[int, str]:  # the tracebacks the trainers sent instead of ids
+        return {r: v for r, v in results.items() if isinstance(v, str)}
+
     try:
         for i, target in enumerate(kill_at):
             wait_until(lambda t=target: sum(trained) >= t or crashed(), 60, f"{target} batches")
@@ -161,16 +164,16 @@ def run_trainers(
     except AssertionError as e:  # a trainer that failed is the likelier story: tell it
         while not out.empty() and len(results) < len(procs):
             results.update([out.get()])
-        errors = {r: v for r, v in results.items() if isinstance(v, str)}
         told = f"{e}; batches each rank trained: {list(trained)}"
-        raise AssertionError(f"{told}; a trainer failed: {errors}" if errors else told) from e
+        raise AssertionError(
+            f"{told}; a trainer failed: {failures()}" if failures() else told
+        ) from e
     finally:
         for p in procs:
             p.join(10)
             if p.exitcode is None:
                 p.kill()
-    errors = {r: v for r, v in results.items() if isinstance(v, str)}
-    assert not errors, f"a trainer failed: {errors}"
+    assert not failures(), f"a trainer failed: {failures()}"
     assert [p.exitcode for p in procs] == [0, 0]
     return results  # type: ignore[return-value]
 
