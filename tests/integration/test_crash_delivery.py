@@ -231,11 +231,13 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     total = EPOCHS * N_SAMPLES // BATCH
     # The first point to fire is the first pass opened (armed before the trainers start).
     points = ["open-pass", *(p for p in crashpoints.POINTS if p != "open-pass")]
-    # The others are armed through the first three quarters of the run, the trainers' loops
-    # held meanwhile: a point armed with a few batches left may never be reached (the trainers
-    # could take the last batches, prefetched, and have them acknowledged before the armed
-    # daemon is up, which then has nothing to write).
-    last = total * 3 // 4
+    # The others are armed in the first epoch, the trainers' loops held meanwhile, so that
+    # the second pass's start still lies ahead of each armed daemon: it talks to every rank and
+    # writes job.json. Armed later, a point may never be reached: with the rest of the run
+    # prefetched by the DataLoader workers before the daemon stopped, the trainers finished
+    # without a word to the armed daemon, which had nothing to write ("crash at replace" timed
+    # out with both ranks done, 60 and 60 batches).
+    last = total * 3 // 8  # a rank's 30 batches of the first epoch are 60 of the two ranks'
     kill_at = [0, *(2 + k * (last - 2) // (len(points) - 1) for k in range(len(points) - 1))]
     exits: list[int | None] = []
 
