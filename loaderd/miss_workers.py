@@ -68,9 +68,9 @@ MAP_COPY_SHARE = 0.5
 MAP_COPY_MAX_BYTES = 64 << 30
 # Batches a worker holds at once: one it assembles, the rest waiting in its socket, so that
 # it does not sleep between batches while the server loop, which shares the cores with the
-# workers, has not yet had its turn to take an answer and send the next one. On 2 cores two
-# left workers idle a third of a warm miss; four ran it 13 % faster and a store four times
-# DRAM 11 % (``benchmarks/results/pipeline.md``).
+# workers, has not yet had its turn to take an answer and send the next one. On 2 cores,
+# holding two, a worker waited a third of a warm miss; four ran it 13 % faster and a store
+# four times DRAM 11 % (``benchmarks/results/pipeline.md``).
 PIPELINE = 4
 
 
