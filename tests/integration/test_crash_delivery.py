@@ -15,6 +15,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -131,7 +132,9 @@ def run_trainers(
     With ``hold`` their loops wait at each of those counts (or at once, if past it when
     ``on_kill(i - 1)`` returns) until ``on_kill(i, resume)`` calls ``resume()``: the daemon it
     starts first still has the rest of the run to serve (the loops cannot run on and finish
-    the epochs with batches prefetched before it is up).
+    the epochs with batches prefetched before it is up). ``resume()`` lets them run to the
+    next count, and from there one batch a call: called as ``on_kill`` waits for what it
+    started, it keeps the loops going a batch at a time, never far past the next count.
     """
     ctx = mp.get_context("fork")
     trained = ctx.Array("i", 2)  # batches each rank's loop received
@@ -143,6 +146,9 @@ def run_trainers(
     for p in procs:
         p.start()
     results: dict[int, list[list[int]] | str] = {}
+
+    def resume(until: int) -> None:
+        gate.value = max(until, sum(trained) + 1)
 
     def crashed() -> bool:  # (not "exited": one rank may finish well before the other)
         return any(p.exitcode not in (None, 0) for p in procs)
@@ -158,7 +164,7 @@ def run_trainers(
             if not hold:
                 on_kill(i)
                 continue
-            on_kill(i, lambda: setattr(gate, "value", never))
+            on_kill(i, partial(resume, kill_at[i + 1] if i + 1 < len(kill_at) else never))
             gate.value = kill_at[i + 1] if i + 1 < len(kill_at) else never
         results.update(out.get(timeout=60) for _ in procs)
     except AssertionError as e:  # a trainer that failed is the likelier story: tell it
@@ -233,10 +239,10 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     points = ["open-pass", *(p for p in crashpoints.POINTS if p != "open-pass")]
     # The others are armed in the first epoch, the trainers' loops held meanwhile, so that
     # the second pass's start still lies ahead of each armed daemon: it talks to every rank and
-    # writes job.json. Armed later, a point may never be reached: with the rest of the run
-    # prefetched by the DataLoader workers before the daemon stopped, the trainers finished
-    # without a word to the armed daemon, which had nothing to write ("crash at replace" timed
-    # out with both ranks done, 60 and 60 batches).
+    # writes job.json. A point armed with little of the run left may never be reached: the
+    # trainers may finish without a word to the armed daemon, which then has nothing to write
+    # ("crash at replace" timed out with both ranks done, 60 and 60 batches, once the loops
+    # had run free while the daemon armed before it took its time to crash).
     last = total * 3 // 8  # a rank's 30 batches of the first epoch are 60 of the two ranks'
     kill_at = [0, *(2 + k * (last - 2) // (len(points) - 1) for k in range(len(points) - 1))]
     exits: list[int | None] = []
@@ -255,9 +261,13 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(i: int, resume: Callable[[], None]) -> None:
         if i:
             arm(points[i])
-        resume()
         assert daemon.proc is not None
-        wait_until(lambda: daemon.proc.poll() is not None, 30, f"crash at {points[i]}")
+
+        def fired() -> bool:  # the loops meanwhile go on to the next count, then a batch a call
+            resume()
+            return daemon.proc.poll() is not None
+
+        wait_until(fired, 30, f"crash at {points[i]}")
         exits.append(daemon.proc.returncode)
         daemon.start()
 
