@@ -164,8 +164,9 @@ def run_trainers(
             if not hold:
                 on_kill(i)
                 continue
-            on_kill(i, partial(resume, kill_at[i + 1] if i + 1 < len(kill_at) else never))
-            gate.value = kill_at[i + 1] if i + 1 < len(kill_at) else never
+            after = kill_at[i + 1] if i + 1 < len(kill_at) else never
+            on_kill(i, partial(resume, after))
+            gate.value = after
         results.update(out.get(timeout=60) for _ in procs)
     except AssertionError as e:  # a trainer that failed is the likelier story: tell it
         while not out.empty() and len(results) < len(procs):
