@@ -7,6 +7,7 @@ non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -418,6 +419,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from loaderd.metrics import MetricsServer
 
         metrics = MetricsServer(config.socket, args.metrics_port, args.metrics_host)
+    # The full collection that startup's objects make due is run here, not in the first pass
+    # (it held a warm miss's serving loop 17 ms: benchmarks/results/gc_freeze.md), and what
+    # startup built (modules, the store's index, the jobs' state), alive as long as the
+    # daemon, is frozen: no later full collection walks it.
+    gc.collect()
+    gc.freeze()
     try:
         server.serve(stop)
     finally:
