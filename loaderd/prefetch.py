@@ -625,6 +625,10 @@ class Prefetcher:
             done, self._done = self._done, []
         return done
 
+    def count(self, which: Callable[[Key], bool]) -> int:
+        """How many of the batches assembled or under way ``which`` picks."""
+        return sum(map(which, self._futures))
+
     @property
     def pending(self) -> int:
         """Batches assembled or under way."""

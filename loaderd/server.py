@@ -607,9 +607,17 @@ class Server:
         return not (self.misses.enabled and self.shm.allocator_for(key) is not None)
 
     def _prefetch_ahead(self, job: Job, rank: int, state: PassState) -> None:
+        name = job.spec.name
+        room = self.shm.room_ahead(name)  # slots this job's batches may hold (None: no bound)
+        if room is not None:
+            room -= self.prefetcher.count(lambda k: k[0] == name)
         for index in islice(state.queue, self.prefetch_depth):
-            key = BatchKey(job.spec.name, rank, state.epoch, state.phase, index)
+            key = BatchKey(name, rank, state.epoch, state.phase, index)
             if self.prefetcher.get(key) is None:  # most of the window is under way already
+                if room is not None:
+                    if room <= 0:
+                        break  # the ring's last slots are for batches asked for
+                    room -= 1
                 self.prefetcher.submit(key, *state.plan.batch(index))
         head = state.queue[0] if state.queue else state.plan.num_batches
         self.readahead.follow((job.spec.name, rank, state.epoch, state.phase), state.plan, head)

@@ -33,7 +33,9 @@ one job holds at once), so the first job's ring leaves room for later jobs' batc
 every slot of a job's ring is lent, or a batch outgrew its slots (variable-length fields), the
 batch borrows a free slot of another ring whose slots hold it, the smallest first. Only when
 no ring has one is it assembled in fresh memory and sent over the socket: a full ring costs a
-copy, never a stall or a deadlock between read-ahead and consumers.
+copy, never a stall or a deadlock between read-ahead and consumers. So that the read-ahead
+does not fill a ring that the batches asked for then find full, it takes slots only while a
+quarter of them stays free (``room_ahead``).
 
 A ring is removed once no consumer has used it for ``_IDLE_S`` (no consumer of a job that
 maps to it, none holding one of its slots) and none of its slots is lent: one job with huge
@@ -316,6 +318,21 @@ class ShmDelivery:
         if ring is None or not self._consumers:
             return None
         return RingAllocator(self, ring)
+
+    def room_ahead(self, job: str) -> int | None:
+        """How many of ``job``'s batches may hold a slot of its ring at once; None: no bound.
+
+        The ring's slots less those its consumers hold and a quarter kept free for batches
+        asked for. Where a consumer's window and the batches assembled ahead of it outnumbered
+        the slots (16 slots of 64 MB batches: 1 MB samples), the read-ahead took them all, and
+        a batch asked for then found the ring full and went out over the socket from fresh
+        memory: two such batches a pass halved a hit epoch's rate.
+        """
+        ring = self._job_ring.get(job)
+        if ring is None:
+            return None
+        held = sum(owner != _PREFETCH for owner in ring.lent().values())
+        return ring.slots - max(1, ring.slots // 4) - held
 
     def _acquire(self, own: LentRing, need: int, count: bool = True) -> tuple[LentRing, int] | None:
         """A free slot of at least ``need`` bytes: the job's own ring's, else a borrowed one.

@@ -105,6 +105,32 @@ def test_slots_are_reused_only_after_release(dataset: tuple[Path, dict[str, np.n
         d.close()
 
 
+def test_read_ahead_leaves_a_small_ring_room_for_the_batches_asked_for(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    """Eight slots, eight batches assembled ahead, a window of two: nothing over the socket.
+
+    The read-ahead alone would fill the ring, and a batch asked for would then find no slot
+    and go out over the socket from fresh memory (costly for large batches).
+    """
+    arrays = dataset[1]
+    extra = ["--shm-slots", "8", "--prefetch", "8"]
+    with Daemon(db=dataset[0], state_dir=tmp_path / "state", extra=extra) as d:
+        ds = LoaderdDataset(d.address, job="small-ring", batch_size=16, prefetch=2)
+        for _ in range(2):  # a pass of misses, then one of hits
+            ids: list[int] = []
+            for batch in ds:
+                i = batch["id"].numpy()
+                np.testing.assert_array_equal(batch["image"].numpy(), arrays["image"][i])
+                ids += i.tolist()
+            assert sorted(ids) == list(range(N_SAMPLES))
+        s = shm_stats(ds)
+        assert s["slots"] == 8
+        assert (s["socket_fallbacks"], s["ring_full"]) == (0, 0)
+        assert s["delivered"] == 2 * -(-N_SAMPLES // 16)
+        ds.close()
+
+
 CLIENT = textwrap.dedent(
     """
     import sys
