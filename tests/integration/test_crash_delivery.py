@@ -35,11 +35,17 @@ BATCH = 8  # 480 / 2 ranks / 8 = 30 batches per rank and epoch
 
 
 def trainer(
-    address: str, rank: int, trained: mp.Array, gate: mp.Value, out: mp.Queue, workers: int
+    address: str,
+    rank: int,
+    trained: mp.Array,
+    gate: mp.Value,
+    out: mp.Queue,
+    workers: int,
+    epochs: int,
 ) -> None:
-    """Train EPOCHS epochs; put (rank, ids per epoch) on ``out``, or (rank, the traceback)."""
+    """Train ``epochs`` epochs; put (rank, ids per epoch) on ``out``, or (rank, the traceback)."""
     try:
-        out.put((rank, train(address, rank, trained, gate, workers)))
+        out.put((rank, train(address, rank, trained, gate, workers, epochs)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
         raise
@@ -68,7 +74,7 @@ def stacks(pids: list[int]) -> str:
 
 
 def train(
-    address: str, rank: int, trained: mp.Array, gate: mp.Value, workers: int
+    address: str, rank: int, trained: mp.Array, gate: mp.Value, workers: int, epochs: int
 ) -> list[list[int]]:
     import time
 
@@ -102,7 +108,7 @@ def train(
         timeout=25 if workers else 0,
     )
     got: list[list[int]] = []
-    for _ in range(EPOCHS):
+    for _ in range(epochs):
         ids: list[int] = []
         it = iter(loader)
         try:
@@ -125,8 +131,13 @@ def train(
 
 
 def run_trainers(
-    d: Daemon, kill_at: list[int], on_kill, workers: int = 2, hold: bool = False
-) -> dict[int, list[list[int]]]:  # type: ignore[no-untyped-def]
+    d: Daemon,
+    kill_at: list[int],
+    on_kill,  # type: ignore[no-untyped-def]
+    workers: int = 2,
+    hold: bool = False,
+    epochs: int = EPOCHS,
+) -> dict[int, list[list[int]]]:
     """Two ranks of trainers; ``on_kill(i)`` once they have trained ``kill_at[i]`` batches.
 
     With ``hold`` their loops wait at each of those counts (or at once, if past it when
@@ -141,7 +152,7 @@ def run_trainers(
     never = 1 << 30
     gate = ctx.Value("i", kill_at[0] if hold else never)
     out: mp.Queue = ctx.Queue()
-    args = [(d.address, r, trained, gate, out, workers) for r in range(2)]
+    args = [(d.address, r, trained, gate, out, workers, epochs) for r in range(2)]
     procs = [ctx.Process(target=trainer, args=a) for a in args]
     for p in procs:
         p.start()
@@ -186,7 +197,7 @@ def run_trainers(
 
 
 def check_exactly_once(results: dict[int, list[list[int]]]) -> None:
-    for epoch in range(EPOCHS):
+    for epoch in range(len(results[0])):
         ids0, ids1 = results[0][epoch], results[1][epoch]
         assert len(ids0) == len(set(ids0)), f"rank 0 saw a sample twice in epoch {epoch}"
         assert len(ids1) == len(set(ids1)), f"rank 1 saw a sample twice in epoch {epoch}"
@@ -235,16 +246,17 @@ def test_kill_9_without_workers(daemon: Daemon) -> None:
 
 def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon dies on its own at each named point, in the middle of the epochs."""
-    total = EPOCHS * N_SAMPLES // BATCH
     # The first point to fire is the first pass opened (armed before the trainers start).
     points = ["open-pass", *(p for p in crashpoints.POINTS if p != "open-pass")]
-    # The others are armed in the first epoch, the trainers' loops held meanwhile, so that
-    # the second pass's start still lies ahead of each armed daemon: it talks to every rank and
-    # writes job.json. A point armed with little of the run left may never be reached: the
-    # trainers may finish without a word to the armed daemon, which then has nothing to write
-    # ("crash at replace" timed out with both ranks done, 60 and 60 batches, once the loops
-    # had run free while the daemon armed before it took its time to crash).
-    last = total * 3 // 8  # a rank's 30 batches of the first epoch are 60 of the two ranks'
+    # The others are armed in the first epoch, the trainers' loops held meanwhile, so that a
+    # pass start still lies ahead of each armed daemon: it talks to every rank and writes
+    # job.json ("replace", armed last, fires only there). Waiting for a point lets the loops
+    # on a batch a poll, since most points need their requests or feedback, and a daemon slow
+    # to reach its point has let them run far: "replace" (and, armed last instead,
+    # "cursor-log") timed out with the two epochs done, 60 and 60 batches, before the daemon
+    # armed last came up. The third epoch is that runway.
+    epochs = 3
+    last = N_SAMPLES // BATCH * 3 // 4  # of the first epoch's 60 batches of the two ranks
     kill_at = [0, *(2 + k * (last - 2) // (len(points) - 1) for k in range(len(points) - 1))]
     exits: list[int | None] = []
 
@@ -273,7 +285,7 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
         daemon.start()
 
     arm(points[0])
-    check_exactly_once(run_trainers(daemon, kill_at, crash, hold=True))
+    check_exactly_once(run_trainers(daemon, kill_at, crash, hold=True, epochs=epochs))
     assert exits == [crashpoints.EXIT_STATUS] * len(points)
     log = daemon.log.read_text()
     for p in points:
