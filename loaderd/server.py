@@ -620,7 +620,7 @@ class Server:
                     room -= 1
                 self.prefetcher.submit(key, *state.plan.batch(index))
         head = state.queue[0] if state.queue else state.plan.num_batches
-        self.readahead.follow((job.spec.name, rank, state.epoch, state.phase), state.plan, head)
+        self.readahead.follow((name, rank, state.epoch, state.phase), state.plan, head)
 
     def _forget(self, which: Callable[[tuple[Any, ...]], bool]) -> None:
         """Drop these passes' batches assembled ahead, not yet asked for, and their read-ahead."""

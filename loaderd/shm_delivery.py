@@ -329,7 +329,7 @@ class ShmDelivery:
         memory: two such batches a pass halved a hit epoch's rate.
         """
         ring = self._job_ring.get(job)
-        if ring is None:
+        if ring is None or not self._consumers:  # (``allocator_for``: then no slot is used)
             return None
         held = sum(owner != _PREFETCH for owner in ring.lent().values())
         return ring.slots - max(1, ring.slots // 4) - held

@@ -251,7 +251,7 @@ def test_crash_points(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     # The others are armed in the first epoch, the trainers' loops held meanwhile, so that a
     # pass start still lies ahead of each armed daemon: it talks to every rank and writes
     # job.json ("replace", armed last, fires only there). Waiting for a point lets the loops
-    # on a batch a poll, since most points need their requests or feedback, and a daemon slow
+    # go on a batch a poll, since most points need their requests or feedback, and a daemon slow
     # to reach its point has let them run far: "replace" (and, armed last instead,
     # "cursor-log") timed out with the two epochs done, 60 and 60 batches, before the daemon
     # armed last came up. The third epoch is that runway.
