@@ -39,7 +39,7 @@ class Admitted(list[Move]):
     """The moves of a batch admitted whole into one tier, in order, evicting nothing.
 
     A list of moves like any other; ``ids`` and ``tier`` tell the tier stack it may admit
-    the records together (``TierStack._copy_all``) instead of move by move.
+    the records together (``TierStack._admit_all``) instead of move by move.
     """
 
     def __init__(self, sample_ids: list[int], tier: int) -> None:

@@ -44,10 +44,17 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _KEY = struct.Struct(">Q")
 SAMPLES_DB = b"samples"  # the LMDB databases of a store (see the module docstring)
+_PAGE = mmap.PAGESIZE  # what the page cache reads and holds of a record: whole pages
+# Smaller records are copied into DRAM rather than held as views of the store's map. Each
+# lock of a record's pages is a system call (``mlock``, ~8 us), dearer than copying less than
+# this. In a map locked whole (``lock_map``) a view costs no system call, and a record of a
+# page or more is held as one: its copy, a first touch of fresh memory, cost the loop ~0.45 us
+# a KiB, and it would be held twice in RAM. Records under a page are copied: copies pack more
+# than one to a page, and hits gather them faster (a view cost 0.4 us more a record a hit).
 PIN_MIN_BYTES = 16 << 10
+VIEW_MIN_BYTES = _PAGE
 _OVERFLOW_HEADER = 16  # an overflow value starts this far into its first page (LMDB 0.9)
 META_DB = b"meta"
-_PAGE = mmap.PAGESIZE  # what the page cache reads and holds of a record: whole pages
 # Records at most this far apart in data.mdb are read ahead in one call, the pages between
 # them included: LMDB puts a leaf page between runs of records every ~150 records, and a
 # system call per record cost 12-23 % of the daemon's time serving 3 KB records from the page
@@ -614,28 +621,28 @@ class SampleStore:
         right after their 16-byte page header; a smaller value shares a leaf page, which is
         not locked (None: the caller copies it). Below ``PIN_MIN_BYTES`` a copy is cheaper
         than the system call (measured: ``mlock`` ~8 us, a copy into fresh memory ~0.6 us per
-        KiB), so those are copied too (and copies packed together serve hits faster than
-        views spread over leaf pages). Once the whole map is locked (``lock_map``), see
+        KiB), so those are copied too. Once the whole map is locked (``lock_map``), see
         ``pin_many``.
         """
         return self.pin_many([record])[0]
 
-    def pin_many(self, records: Sequence[memoryview]) -> list[Callable[[], None] | None]:
+    def pin_many(self, records: Sequence[bytes | memoryview]) -> list[Callable[[], None] | None]:
         """``pin`` of each record: its unlock, or None where it is to be copied.
 
-        Once the whole map is locked (``lock_map``), a larger record is held as it is: its
-        pages are locked as they are mapped, and they are mapped here, for all the records
-        at once (``populate_read``), since a miss worker read them through a map of its own;
-        once every page of the map is mapped (``map_loaded``), that call is left out: asked
-        for pages already mapped, the kernel still walks and counts each one, ~5 us a
-        100 KB record in single pages, the cost of mapping them.
+        Once the whole map is locked (``lock_map``), a record of ``VIEW_MIN_BYTES`` or more
+        is held as it is: its pages are locked as they are mapped, and they are mapped here,
+        for all the records at once (``populate_read``), since a miss worker read them
+        through a map of its own; once every page of the map is mapped (``map_loaded``),
+        that call is left out: asked for pages already mapped, the kernel still walks and
+        counts each one, ~5 us a 100 KB record in single pages, the cost of mapping them.
+        A record of no view of the map (``bytes``) is to be copied.
         """
         if self._map_locked is None:
             return [self._pin_one(r) if self._locks.enabled else None for r in records]
         lo, hi = self._map_locked
         n = len(records)
-        sizes = np.fromiter((r.nbytes for r in records), np.int64, n)
-        large = sizes >= PIN_MIN_BYTES
+        sizes = np.fromiter(map(len, records), np.int64, n)
+        large = sizes >= VIEW_MIN_BYTES
         addresses = np.zeros(n, np.int64)  # 0: copied (small, or not of the locked map)
         addresses[large] = [
             address_of(r) for r, big in zip(records, large.tolist(), strict=True) if big
@@ -647,15 +654,15 @@ class SampleStore:
             populate_read(first, starts + sizes[held] - first)  # else on first touch
         return [_still_locked if h else None for h in held.tolist()]
 
-    def _pin_one(self, record: memoryview) -> Callable[[], None] | None:
+    def _pin_one(self, record: bytes | memoryview) -> Callable[[], None] | None:
         """``mlock`` of an overflow record's own pages (the map is not locked whole)."""
-        if record.nbytes < PIN_MIN_BYTES:
+        if len(record) < PIN_MIN_BYTES:
             return None
         address = address_of(record)
         if address % self._psize != _OVERFLOW_HEADER:
             return None
         start = address - _OVERFLOW_HEADER
-        length = -(-(record.nbytes + _OVERFLOW_HEADER) // self._psize) * self._psize
+        length = -(-(len(record) + _OVERFLOW_HEADER) // self._psize) * self._psize
         if not self._locks.lock(start, length):
             return None
         return partial(self._locks.unlock, start, length)
@@ -695,6 +702,11 @@ class SampleStore:
         """
         if self._map_locked is not None:
             self._map_resident = True
+
+    @property
+    def copy_below(self) -> int:
+        """The size under which ``pin_many`` leaves a record to be copied."""
+        return PIN_MIN_BYTES if self._map_locked is None else VIEW_MIN_BYTES
 
     @property
     def map_resident(self) -> bool:

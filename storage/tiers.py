@@ -334,7 +334,7 @@ class TierStack:
                         found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
         if verify:
             self._verify(missing, got)
-        if moves and not self._copy_all(got, moves):
+        if moves and not self._admit_all(got, moves):
             # Locking pages (or copying) for DRAM is the slow part of an admission: done
             # before taking the lock, so that assembly threads overlap it; with a queue,
             # records large enough to be locked are left to it (a small one's copy costs
@@ -352,22 +352,31 @@ class TierStack:
                     if unpin is not None:
                         unpin()
 
-    def _copy_all(self, got: dict[int, Record], moves: list[Move]) -> bool:
-        """Admit small records the policy took into DRAM together; False: the moves are not such.
+    def _admit_all(self, got: dict[int, Record], moves: list[Move]) -> bool:
+        """Admit the records the policy took into DRAM together; False: the moves are not such.
 
-        What ``hold_many`` and ``put_many`` do for records under ``PIN_MIN_BYTES`` (each
-        copied into memory of its own), without a Python step per record: at 3 KB those
-        steps cost the server loop about 2 us a record. The admitted records were read from
-        the store: ``got`` holds each.
+        What ``hold_many`` and ``put_many`` do, without a Python step per record (at 3 KB
+        those steps cost the server loop about 2 us a record), where it takes no system
+        call: records under ``store.copy_below`` are copied; once every page of a locked map
+        is mapped, larger ones are held as views of it. Otherwise larger ones are locked or
+        queued record by record (``_apply``). The admitted records were read from the store:
+        ``got`` holds each.
         """
         if not (isinstance(moves, Admitted) and moves.tier == DRAM):
             return False
         records = list(map(got.__getitem__, moves.ids))
-        if max(map(len, records)) >= PIN_MIN_BYTES:
-            return False  # locked or queued record by record (``_apply``)
-        copies = own_copies(records)
+        sizes = list(map(len, records))
+        unpins: list[Callable[[], None] | None] | None = None
+        if max(sizes) < self.store.copy_below:
+            records = own_copies(records)
+        elif self.store.map_resident and min(sizes) >= self.store.copy_below:
+            unpins = self.store.pin_many(records)  # views: no system call
+            if None in unpins:
+                return False  # not of the locked map
+        else:
+            return False
         with self._lock:
-            for sid in self.dram.put_all(moves.ids, copies):
+            for sid in self.dram.put_all(moves.ids, records, unpins):
                 self.policy.forget(sid)  # larger than the tier (a policy's room says no first)
         return True
 

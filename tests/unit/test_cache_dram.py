@@ -16,9 +16,10 @@ from loaderd.storage.arena import Arena
 from loaderd.storage.dram import DramCache, own_copies
 from loaderd.storage.policies import DRAM
 from loaderd.storage.records import Field, RecordCodec, Schema
-from loaderd.storage.store import SampleStore
+from loaderd.storage.store import VIEW_MIN_BYTES, SampleStore
 from loaderd.storage.store_writer import StoreWriter
 from loaderd.storage.tiers import TierStack
+from tests.helpers import wait_until
 
 
 def rec(tag: int, size: int = 10) -> bytes:
@@ -269,6 +270,35 @@ def test_small_records_another_process_read_are_held_as_copies_of_their_own(
         assert [bytes(stack.dram._items[i]) for i in ids] == big
         if stack.dram.pinned:  # where the kernel lets this process lock pages
             assert all(isinstance(stack.dram._items[i], memoryview) for i in ids)
+
+
+@pytest.mark.parametrize("load_map", [True, False])
+def test_a_locked_map_holds_records_with_pages_of_their_own_as_views(
+    tmp_path: Path, load_map: bool
+) -> None:
+    """With the whole map locked, a record of ``VIEW_MIN_BYTES`` or more is held as a view of
+    it, not copied (together once every page is mapped); a smaller one is copied."""
+    path = tmp_path / "mixed"
+    sizes = [VIEW_MIN_BYTES * 4 if i % 2 else VIEW_MIN_BYTES - 200 for i in range(16)]
+    with StoreWriter(path, SCHEMA) as w:
+        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * n}) for i, n in enumerate(sizes)])
+    with SampleStore(path) as s, TierStack(s, 1 << 22, load_map=load_map) as stack:
+        truth = s.get_many(range(16))
+        if not s.map_locked:
+            pytest.skip("this process may not lock the store's map in RAM")
+        if load_map:
+            wait_until(lambda: s.map_resident, what="the whole store mapped")
+        index = s.value_index
+        assert index is not None
+        # large ones, small ones, each admitted whole; then some of a mixed batch
+        for ids in (np.array([1, 3, 5, 7]), np.array([0, 2, 4, 6]), np.array([9, 8, 15, 12])):
+            stack.read_elsewhere(ids, index.offsets[ids], index.lengths[ids].astype(np.int64))
+        held = stack.dram._items
+        assert sorted(held) == [*range(10), 12, 15]
+        assert [bytes(held[i]) for i in held] == [truth[i] for i in held]
+        assert [type(held[i]) for i in held] == [memoryview if i % 2 else bytes for i in held]
+        assert stack.dram.pinned == 6
+        assert stack.get_many(np.array([15, 2, 3])) == [truth[15], truth[2], truth[3]]
 
 
 def test_tier_stack_serves_the_store_bytes_and_counts(store_path: Path) -> None:

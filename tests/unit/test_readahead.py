@@ -28,7 +28,7 @@ from loaderd.storage.value_index import block_ranges, build_value_index
 from tests.helpers import damage_value_length, evict, point_value_at, wait_until
 
 N = 200
-SIZES = (3_000, 40_000)  # a value sharing pages, and one with pages of its own
+SIZES = (3_000, 40_000)  # a value under a page, and one of many pages
 
 
 def make_store(path: Path, n: int = N, seed: int = 0) -> Path:
