@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
@@ -128,6 +129,33 @@ def test_read_ahead_leaves_a_small_ring_room_for_the_batches_asked_for(
         assert s["slots"] == 8
         assert (s["socket_fallbacks"], s["ring_full"]) == (0, 0)
         assert s["delivered"] == 2 * -(-N_SAMPLES // 16)
+        ds.close()
+
+
+def test_feedback_keeps_no_slot_lent(
+    dataset: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    """Losses sent back with the batch's own ``id`` tensor: every batch still over the ring.
+
+    A FEEDBACK is kept until the daemon confirms it, up to 64 of them; kept as a view of the
+    ``id`` tensor, it held the batch's slot lent, and half the batches of a ring of 32 found
+    it full and came over the socket.
+    """
+    arrays = dataset[1]
+    with Daemon(db=dataset[0], state_dir=tmp_path / "state", extra=["--shm-slots", "8"]) as d:
+        ds = LoaderdDataset(d.address, job="feedback", batch_size=8, prefetch=2)
+        for _ in range(2):
+            ids: list[int] = []
+            for batch in ds:
+                i = batch["id"].numpy()
+                np.testing.assert_array_equal(batch["image"].numpy(), arrays["image"][i])
+                ids += i.tolist()
+                ds.feedback(batch["id"], torch.full((len(i),), 0.5))
+                del batch
+            assert sorted(ids) == list(range(N_SAMPLES))
+        s = shm_stats(ds)
+        assert (s["socket_fallbacks"], s["ring_full"]) == (0, 0)
+        assert s["delivered"] == 2 * -(-N_SAMPLES // 8)
         ds.close()
 
 
