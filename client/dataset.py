@@ -40,6 +40,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.errors import DaemonUnavailableError, RemoteError
 from loaderd.client.fastpath import ShmReceiver, check_device, on_device, to_shared_tensors
 from loaderd.client.loop_acks import BatchTag, TaggedBatch, TaggedValue, install
+from loaderd.client.losses import LossBatcher
 from loaderd.client.protocol import (
     PROTOCOL_VERSION,
     BatchArrays,
@@ -181,6 +182,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._hello_pid = -1
         self._instance: str | None = None  # the daemon's run that last WELCOMEd this process
         self._schema: list[FieldSpec] = []
+        self._losses = LossBatcher()  # feedback not sent yet (client/losses.py)
         self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)  # sent, OK not yet read
         self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)  # the same, when workers fetch
         self.reconnect_s = reconnect_s
@@ -254,6 +256,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._progress[phase] = progress
         try:
             self._hello()
+            self._send_losses()  # losses of the last pass's steps go before its next one opens
             reply = self._conn.request(
                 MsgType.OPEN_PASS, {**base, **progress.resume_meta()}, expect=MsgType.PASS
             )
@@ -589,9 +592,20 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             kind: ``train`` or ``rescore``; by default ``rescore`` inside ``rescore()``.
         """
         self._hello_retrying()
-        frames = feedback_frames(_as_numpy(ids, np.int64), _as_numpy(losses, np.float32))
-        meta = {"job": self.job, "kind": kind or self._phase}
-        self._feedback.send(self._conn, MsgType.FEEDBACK, meta, frames)
+        kind = kind or self._phase
+        if len(self._losses) and kind != self._losses.kind:
+            self._send_losses()
+        self._losses.add(_as_numpy(ids, np.int64), _as_numpy(losses, np.float32), kind)
+        if self._losses.due():
+            self._send_losses()
+
+    def _send_losses(self) -> None:
+        """Send the losses kept (``client/losses.py``) as one FEEDBACK, if any."""
+        if not len(self._losses):
+            return
+        kind, ids, losses = self._losses.take()
+        meta = {"job": self.job, "kind": kind}
+        self._feedback.send(self._conn, MsgType.FEEDBACK, meta, feedback_frames(ids, losses))
         while self._feedback.over_limit():
             self._wait_feedback()  # bounded memory, and errors surface
 
@@ -655,6 +669,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             RemoteError: the daemon refused some feedback (e.g. an id out of range) or an
                 acknowledgement.
         """
+        self._send_losses()
         self._confirm_loop_acks()
         while self._feedback:
             self._wait_feedback()
@@ -665,6 +680,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if self._hello_pid == os.getpid():
             return
         if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
+            self._losses.drop()
             self._feedback.drop()
             self._loop_acks.drop()
         meta = {

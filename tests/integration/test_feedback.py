@@ -57,3 +57,24 @@ def test_bad_feedback_is_refused_and_daemon_stays_up(daemon: Daemon) -> None:
     with pytest.raises(RemoteError, match="non-finite"):
         ds.flush()
     assert ds.stats()["jobs"]["badfb"]["feedback_samples"] == 0
+
+
+def test_losses_sent_after_a_pass_reach_the_daemon_before_the_next_opens(daemon: Daemon) -> None:
+    """A trainer that fetches ahead (Lightning) sends the last batch's losses after the pass
+    ended: the client keeps losses to send several together, and sends them before the next
+    pass opens, as it does at each pass's end; a change of kind sends what was kept."""
+    ds = LoaderdDataset(daemon.address, job="late", batch_size=64)
+    last = None
+    for batch in ds:
+        if last is not None:
+            ds.feedback(last, torch.ones(len(last)))
+        last = batch["id"]
+    assert last is not None
+    assert ds.stats()["jobs"]["late"]["feedback_samples"] == N_SAMPLES - len(last)
+    ds.feedback(last, torch.ones(len(last)))  # the pass is over: kept, not sent yet
+    ds.feedback(torch.arange(3), torch.ones(3), kind="rescore")
+    next(iter(ds))
+    job = ds.stats()["jobs"]["late"]
+    assert job["feedback_samples"] == N_SAMPLES
+    assert job["importance"]["rescore_samples"] == 3
+    ds.close()
