@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 from _baselines import (
     BATCH,
     dataloader,
@@ -177,14 +178,17 @@ class Served:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def run_epoch(ds: Any, served: Served | None = None) -> float:
-    """Samples/s of one pass, timed from its first batch."""
+def run_epoch(ds: Any, served: Served | None = None, feedback: bool = False) -> float:
+    """Samples/s of one pass, timed from its first batch; ``feedback``: each batch's losses
+    are sent back, as a trainer of the importance engine does."""
     it = iter(ds)
     n = len(next(it)["id"])
     t0 = time.perf_counter()
     n = 0
     for i, b in enumerate(it):
         n += len(b["id"])
+        if feedback:
+            ds.feedback(b["id"], torch.ones(len(b["id"])))
         if served is not None and i % 16 == 0:
             served.rss()
     return n / (time.perf_counter() - t0)
@@ -200,6 +204,7 @@ def one_trainer(
     tag: str,
     extra: Sequence[str] = (),
     spy: Sequence[int] = (),
+    feedback: bool = False,
 ) -> dict[str, Any]:
     """Epoch rates of one shm trainer on a fresh daemon (the store evicted first if ``cold``).
 
@@ -233,7 +238,7 @@ def one_trainer(
             mine = ctx.profile_path(f"{tag}-e{e}-trainer") if e in watched else None
             use = CpuUse(srv.ps, lambda: ds.stats()["loop"])
             with spied(srv.proc.pid, prof), spied(os.getpid(), mine), use.measured():
-                rates.append(run_epoch(ds, srv))
+                rates.append(run_epoch(ds, srv, feedback))
             profiles.append((prof, mine))
             cores.append(use.cores)
         stats = ds.stats()
@@ -480,6 +485,17 @@ def bench_size(ctx: Context, label: str, n: int, sample_bytes: int) -> list[dict
         resident_before=round(miss["resident_before"], 3),
         resident_after=round(miss["resident_after"], 3), runs=runs,
         spied_run=round(first["rates"][0]), **mb,
+    )  # fmt: skip
+
+    # A trainer of the importance engine sends each batch's losses back: what that costs the
+    # hits (an unconfirmed FEEDBACK once held its batch's slot, and half the batches came over
+    # the socket: benchmarks/results/feedback_slots.md).
+    fed = one_trainer(db, ctx, dram_all, 3, cold=False, tag=f"{label}-feedback", feedback=True)
+    best = steady(fed)
+    compare(
+        "warm", "hit", fed["rates"][best], fed["profiles"][best],
+        label="hit, losses sent back each batch", cores=fed["cores"][best],
+        epochs=epochs_of(fed), shm_fallbacks=fed["shm_fallbacks"],
     )  # fmt: skip
 
     # What a daemon that may not lock pages does (an ordinary user's RLIMIT_MEMLOCK): DRAM
