@@ -420,14 +420,9 @@ def decode_feedback(msg: Message) -> tuple[np.ndarray, np.ndarray]:
 
 
 def feedback_frames(ids: np.ndarray, losses: np.ndarray) -> list[Buffer]:
-    """Payload frames of a FEEDBACK request, in memory of their own.
-
-    The client keeps a FEEDBACK until the daemon confirms it (and sends it again after a
-    reconnect): a view of a batch's ``id`` tensor would keep that batch's shared-memory slot
-    lent as long, and a view of the caller's buffer would send what it holds by then.
-    """
-    ids = np.array(ids, dtype=np.int64, order="C", copy=True)
-    losses = np.array(losses, dtype=np.float32, order="C", copy=True)
+    """Payload frames of a FEEDBACK request."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    losses = np.ascontiguousarray(losses, dtype=np.float32)
     if ids.shape != losses.shape or ids.ndim != 1:
         raise ValueError(f"ids {ids.shape} and losses {losses.shape} must be 1-D and equal")
     return [_raw(ids), _raw(losses)]
