@@ -586,6 +586,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
     def feedback(self, ids: Any, losses: Any, kind: str | None = None) -> None:
         """Send per-sample losses to the daemon without waiting for it.
 
+        They go a few batches' worth at a time, and always before a pass ends or the next
+        one opens (``client/losses.py``); ``flush`` sends them and waits until recorded.
+
         Args:
             ids: the batch's ``id`` tensor (or any int sequence).
             losses: one loss per id (a tensor is detached and moved to the CPU).
