@@ -13,6 +13,7 @@ are lost, as were those it had not sent.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,9 +24,15 @@ AGE_S = 0.25  # nor longer than this, when the trainer calls again
 class LossBatcher:
     """Per-sample losses of one kind, kept until they are worth a request."""
 
-    def __init__(self, samples: int = SAMPLES, age_s: float = AGE_S) -> None:
+    def __init__(
+        self,
+        samples: int = SAMPLES,
+        age_s: float = AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.samples = samples
         self.age_s = age_s
+        self._clock = clock
         self.kind = "train"
         self._ids: list[np.ndarray] = []
         self._losses: list[np.ndarray] = []
@@ -50,7 +57,7 @@ class LossBatcher:
         if self._count and kind != self.kind:
             raise ValueError(f"losses of {self.kind!r} are kept: take them before {kind!r}")
         if not self._count:
-            self.kind, self._since = kind, time.monotonic()
+            self.kind, self._since = kind, self._clock()
         self._ids.append(np.array(ids, np.int64))
         self._losses.append(np.array(losses, np.float32))
         self._count += len(ids)
@@ -58,7 +65,7 @@ class LossBatcher:
     def due(self) -> bool:
         """Whether what is kept should go now: enough of it, or kept long enough."""
         return self._count >= self.samples or (
-            self._count > 0 and time.monotonic() - self._since >= self.age_s
+            self._count > 0 and self._clock() - self._since >= self.age_s
         )
 
     def take(self) -> tuple[str, np.ndarray, np.ndarray]:
