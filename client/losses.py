@@ -71,7 +71,7 @@ class LossBatcher:
     def take(self) -> tuple[str, np.ndarray, np.ndarray]:
         """Everything kept, as one request's kind, ids and losses; nothing is kept after."""
         ids, losses = np.concatenate(self._ids), np.concatenate(self._losses)
-        self._ids, self._losses, self._count = [], [], 0
+        self.drop()
         return self.kind, ids, losses
 
     def drop(self) -> None:
