@@ -75,5 +75,5 @@ class LossBatcher:
         return self.kind, ids, losses
 
     def drop(self) -> None:
-        """Forget what is kept (a forked child: its parent sends it)."""
+        """Forget what is kept (taken, or a forked child's copy: its parent sends it)."""
         self._ids, self._losses, self._count = [], [], 0
