@@ -58,6 +58,9 @@ from loaderd.client.resume import (
     merge_worker_states,
     recoverable,
 )
+from loaderd.client.slot_handover import held as handed_held
+from loaderd.client.slot_handover import in_use as handing_in_use
+from loaderd.client.slot_handover import slot_ref, take_returned
 from loaderd.client.unconfirmed import Unconfirmed
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,10 @@ install()  # the main process acknowledges what the training loop received
 
 _MAX_FEEDBACK_IN_FLIGHT = 64
 _MAX_LOOP_ACKS_IN_FLIGHT = 64  # the main process's acknowledgements for DataLoader workers
+# How often the loop's process says which handed slots it holds (client/slot_handover.py):
+# slots that workers which moved on left it come back within about this long. Longer than
+# the daemon's tick (0.5 s), in which it finds a DataLoader's old workers gone.
+_HELD_EVERY_S = 1.0
 
 
 def default_rank_world() -> tuple[int, int]:
@@ -195,6 +202,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._phase = "train"
         self.epoch: int | None = None  # the epoch of the last pass this process iterated
         self._acks_in_main = False  # set for workers whose main process acknowledges
+        self._loop_pid: int | None = None  # that process, for workers (client/slot_handover.py)
+        self._held_said_at = -_HELD_EVERY_S  # when the loop's process last said what it holds
+        self._closed = False
         self._warned_worker_acks = False
 
     # --- iteration ----------------------------------------------------------------------------
@@ -238,6 +248,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         # Who acknowledges: the loop's own process, just before it yields; in a DataLoader
         # worker, the main process once the loop receives the batch (client/loop_acks.py).
         acks_here = info is None or not self._acks_in_main
+        hand_over = self._hands_over()  # slots go to the loop's process with their batches
         if acks_here and info is not None and not self._warned_worker_acks:
             self._warned_worker_acks = True
             warnings.warn(
@@ -309,9 +320,14 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                         continue
                     progress.seen.add(index)
                     # Through shared memory the frames view a slot, kept until dropped.
-                    shared = self._shm.resolve(msg, functools.partial(freed.append, index))
+                    on_free = None if hand_over else functools.partial(freed.append, index)
+                    slot = self._shm.resolve(msg, on_free)
                     batch = self._to_torch(decode_batch(msg, self._schema), TaggedBatch())
-                    if shared and info is not None:  # pickled by a feeder thread later: copy
+                    if slot is not None and hand_over:
+                        d = msg.meta["shm"]  # checked by resolve
+                        where = (d["ring"], d["slot"], d["gen"])
+                        batch.loaderd_slot = slot_ref(self.job, self.rank, where, slot)
+                    elif slot is not None and info is not None:  # pickled later: copy now
                         batch = TaggedBatch(to_shared_tensors(batch))
                     del msg  # its frames would keep the slot
                     if self.transform is not None:  # in the worker: decode scales with workers
@@ -409,6 +425,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         from: together they hold what the loop had received.
         """
         self._acks_in_main = True
+        self._loop_pid = os.getpid()
         states = [check_state(w) for w in worker_states if w is not None]
         if states:
             self._restore(merge_worker_states(states, self.job, self.rank))
@@ -426,6 +443,69 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
 
     def _workers_started(self) -> None:
         self._acks_in_main = False  # the workers have their copy; this object iterates itself
+        self._loop_pid = None
+
+    def _workers_gone(self) -> None:
+        """The DataLoader's workers exited: the slots they left here and no batch holds go back.
+
+        The daemon checks first that they are gone, then takes back the rest.
+        """
+        if self._hello_pid == os.getpid() and not self._closed:
+            self._return_slots()
+
+    def _hands_over(self) -> bool:
+        """Whether this process is a DataLoader worker that hands its slots to the loop's.
+
+        Not with a ``transform`` or a ``device``: the batch they yield is in fresh memory.
+        """
+        return (
+            self._acks_in_main
+            and self._loop_pid is not None
+            and self.transform is None
+            and self.device is None
+            and get_worker_info() is not None
+        )
+
+    def _slots_back(self, meta: dict[str, Any], held: bool | None = None) -> dict[str, Any]:
+        """``meta`` with the handed slots whose batches the loop dropped (slot_handover.py).
+
+        ``held`` (by default once every ``_HELD_EVERY_S``): also which this process still
+        holds; the daemon takes back the rest of what workers that moved on left it.
+        """
+        returned = take_returned(self.job, self.rank)
+        if returned:
+            meta["returned"] = returned
+        now = time.monotonic()
+        if held is None:
+            due = now >= self._held_said_at + _HELD_EVERY_S
+            held = due and handing_in_use(self.job, self.rank)
+        if held:
+            meta["handed_held"] = handed_held(self.job, self.rank)
+            self._held_said_at = now
+        return meta
+
+    def _return_slots(self) -> None:
+        """Tell the daemon what ``_slots_back`` has to say, without waiting for its OK.
+
+        Nothing is lost if it never arrives: what this process holds goes back when it exits.
+        """
+        if not handing_in_use(self.job, self.rank):
+            return
+        meta = self._slots_back(self._loop_ack_meta(self._phase, self.epoch or 0, 0, []), True)
+        self._conn.ignore(self._conn.send(MsgType.ACK, meta))
+
+    def _loop_ack_meta(
+        self, phase: str, epoch: int, worker: int, acks: list[int]
+    ) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "rank": self.rank,
+            "worker": worker,
+            "epoch": epoch,
+            "phase": phase,
+            "acks": acks,
+            "loop": True,
+        }
 
     def _loop_received(self, batch: Any) -> bool:
         """The loop is about to receive ``batch``: acknowledge it; False drops a duplicate.
@@ -440,6 +520,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                 "it cannot be acknowledged: use batch_size=None and no collate_fn (batches "
                 "arrive ready-made)"
             )
+        if getattr(batch, "loaderd_stale", False):
+            self.delivery.duplicates += 1  # its slot was lent again: the daemon sends it anew
+            return False
         progress = self._progress.setdefault(tag.phase, PassProgress(tag.phase))
         if progress.epoch is not None and tag.epoch < progress.epoch:
             self.delivery.duplicates += 1  # of a pass the loop has whole already
@@ -453,15 +536,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         progress.seen.add(tag.index)
         self._delivered(progress, tag.batches)
         self.epoch = tag.epoch
-        meta = {
-            "job": self.job,
-            "rank": self.rank,
-            "worker": tag.worker,
-            "epoch": tag.epoch,
-            "phase": tag.phase,
-            "acks": [tag.index],
-            "loop": True,
-        }
+        meta = self._slots_back(self._loop_ack_meta(tag.phase, tag.epoch, tag.worker, [tag.index]))
         # Sent before the loop has the batch, its OK collected later (client/unconfirmed.py).
         self._hello_retrying()
         self._loop_acks.send(self._conn, MsgType.ACK, meta)
@@ -473,6 +548,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         progress = self._progress.get("train")
         if progress is not None and progress.delivered and not progress.rewind:
             self._progress.pop("train")  # not whole (else _delivered moved on): start afresh
+        self._return_slots()
         self.flush()
 
     def _confirm_loop_acks(self, keep: int = 0) -> None:
@@ -699,6 +775,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             "pidns": _pid_namespace(),  # the daemon checks the pid only inside its own
             "shm": self._shm.wanted,
         }
+        if self._hands_over():
+            meta["handover"] = self._loop_pid  # the process the slots go to with the batches
         reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
         if not self._shm.accept(reply.meta):  # cannot map the ring: ask for the socket path
             meta["shm"] = False
@@ -772,8 +850,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
     def close(self) -> None:
         """Flush feedback and acknowledgements, close this process's socket (safe twice)."""
         if self._hello_pid == os.getpid():
+            self._return_slots()
             self.flush()
             self._release_late()
+        self._closed = True
         self._conn.close()
         self._shm.close()
 

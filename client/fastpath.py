@@ -84,7 +84,16 @@ class ShmReceiver:
                 ring.pin(self._register[1])
         return ring
 
-    def resolve(self, msg: Message, on_free: Callable[[], None] | None = None) -> bool:
+    def slot(self, ring: str, slot: int, generation: int) -> memoryview:
+        """A whole slot of a ring, mapped here if need be, while it holds that generation.
+
+        Raises:
+            ProtocolError: the slot is outside the ring, or was lent again.
+            ShmError: the ring cannot be mapped.
+        """
+        return self._attach(ring).lent_slot(slot, generation)
+
+    def resolve(self, msg: Message, on_free: Callable[[], None] | None = None) -> memoryview | None:
         """Point a BATCH's frames at its slot when it came through shared memory.
 
         Args:
@@ -93,7 +102,7 @@ class ShmReceiver:
                 back, ``slot_lifetime``); None: the frames are plain views of the slot.
 
         Returns:
-            Whether the batch lies in shared memory.
+            The whole slot the batch lies in; None: it came over the socket.
 
         Raises:
             ProtocolError: the descriptor is malformed or names a slot lent again.
@@ -101,7 +110,7 @@ class ShmReceiver:
         """
         obj = msg.meta.get("shm")
         if obj is None:
-            return False
+            return None
         known = self._known
         if (
             known is not None
@@ -126,7 +135,7 @@ class ShmReceiver:
             msg.frames = [view[off : off + n] for off, n in spans]
         else:
             msg.frames = hold_slot(view, spans, on_free)
-        return True
+        return view
 
     def close(self) -> None:
         """Unmap (views still held keep the mapping until they go); safe to call twice."""

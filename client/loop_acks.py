@@ -30,6 +30,9 @@ from typing import Any
 
 from torch.utils.data import dataloader
 
+from loaderd.client import slot_handover
+from loaderd.client.slot_handover import SlotRef
+
 
 @dataclass(frozen=True, slots=True)
 class BatchTag:
@@ -43,9 +46,34 @@ class BatchTag:
 
 
 class TaggedBatch(dict[str, Any]):
-    """A batch dict carrying its ``BatchTag`` (kept by ``copy.copy`` and pickling)."""
+    """A batch dict carrying its ``BatchTag`` (kept by ``copy.copy`` and pickling).
+
+    In a worker that hands its slots over (``loaderd_slot`` set), pickling sends where the
+    tensors lie in the slot, not their bytes (``client/slot_handover.py``); ``loaderd_stale``
+    marks a batch whose slot was lent again before it was unpacked.
+    """
 
     loaderd_tag: BatchTag | None = None
+    loaderd_slot: SlotRef | None = None
+    loaderd_stale = False
+
+    def __copy__(self) -> TaggedBatch:
+        out = TaggedBatch(self)
+        out.__dict__.update(self.__dict__)
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.loaderd_slot is None:
+            return super().__reduce_ex__(protocol)
+        return (_handed_batch, (slot_handover.pack(self, self.loaderd_slot), self.loaderd_tag))
+
+
+def _handed_batch(packed: tuple[Any, ...], tag: BatchTag | None) -> TaggedBatch:
+    values, stale = slot_handover.unpack(packed)
+    out = TaggedBatch(values)
+    out.loaderd_tag = tag
+    out.loaderd_stale = stale
+    return out
 
 
 class TaggedValue:
@@ -109,6 +137,7 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
         return
     init: Callable[..., None] = cls.__init__
     next_data: Callable[[Any], Any] = cls._next_data
+    shutdown: Callable[[Any], None] = cls._shutdown_workers
 
     @functools.wraps(init)
     def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
@@ -137,6 +166,15 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
                 return data.value if isinstance(data, TaggedValue) else data
             # a duplicate (a batch requeued after a daemon restart and sent again): drop it
 
+    @functools.wraps(shutdown)
+    def _shutdown_workers(self: Any) -> None:
+        was = getattr(self, "_shutdown", True)
+        shutdown(self)
+        ds = _dataset(self)
+        if ds is not None and not was and getattr(self, "_shutdown", False):
+            ds._workers_gone()  # the slots they handed over and the loop does not hold
+
     cls.__init__ = __init__
     cls._next_data = _next_data
+    cls._shutdown_workers = _shutdown_workers
     cls._loaderd_wrapped = True

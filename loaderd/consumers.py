@@ -91,6 +91,10 @@ class Consumers:
         while len(self._pids) > _MAX_PEERS:
             self._pids.popitem(last=False)
 
+    def pid(self, identity: bytes) -> int | None:
+        """The pid of the process behind ``identity``; None when the daemon cannot check it."""
+        return self._pids.get(identity)
+
     def alive(self, identity: bytes) -> bool | None:
         """Whether the process behind ``identity`` runs; None when its pid cannot be checked.
 

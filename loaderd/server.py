@@ -676,10 +676,16 @@ class Server:
         if arrays is not None:
             self.shm.settle(arrays)
 
-    def _ack(self, identity: bytes, msg: Message) -> None:
+    def _ack(self, identity: bytes, msg: Message) -> Message | None:
         m = msg.meta
-        job = self._job(m)
         check_int_list("release", m.get("release", []), _MAX_ACKS)
+        acks = check_int_list("acks", m["acks"], _MAX_ACKS)
+        if loop_ack(m) and not acks and not m.get("end"):
+            # Handed slots given back alone (client/slot_handover.py): no job or pass is
+            # needed, the job may have been reset since and the pass be long gone.
+            self.shm.release_acked(identity, m)
+            return Message(MsgType.OK, msg.request_id)
+        job = self._job(m)
         self.shm.release_acked(identity, m)
         state = job.get_pass(m["rank"], m["epoch"], m["phase"])
         if not loop_ack(m):  # the loop's process acknowledging is not a consumer's liveness
@@ -688,7 +694,6 @@ class Server:
         if not isinstance(end, bool):
             raise ProtocolError(f"ACK: field 'end' must be a bool, got {end!r}")
         if state is not None:
-            acks = check_int_list("acks", m["acks"], _MAX_ACKS)
             job.ack(state, acks)
             self.outstanding.acked(job.spec.name, m["rank"], m["epoch"], m["phase"], acks)
             state.ended |= end and state.complete
@@ -825,7 +830,8 @@ def loop_ack(meta: dict[str, Any]) -> bool:
     """Whether an ACK comes from the training loop's process rather than the consumer.
 
     Such an ACK says "the loop received these" and frees no shared-memory slot: the slots are
-    given back by ``release`` when the consumer no longer reads them.
+    given back by ``release`` when the consumer no longer reads them, or by the loop's
+    process's ``returned`` when a DataLoader worker handed them over (``shm_delivery``).
     """
     value = meta.get("loop", False)
     if not isinstance(value, bool):

@@ -21,7 +21,16 @@ A slot goes back to its ring when:
 * that consumer opens a pass again (what it held and never acknowledged is lost);
 * that consumer's process is found dead (``loaderd.consumers`` is the one judge of that: its
   pid, checked only inside the daemon's own pid namespace);
+* the training loop's process gives back a slot its DataLoader worker handed it (below);
 * a batch assembled ahead of demand is dropped, or goes out over the socket instead.
+
+A DataLoader worker that hands its batches to the loop's process whole, slot and all
+(``client/slot_handover.py``), names that process in HELLO (``"handover": <pid>``). Its
+slots do not come back with its acknowledgements, next pass or death while that process
+lives: the loop may hold any batch the worker yielded. Those it had when it moved on wait in
+``_loops`` for the loop's process to give each back (``"returned"``: ring, slot and
+generation, so a slot lent again since is never touched), to say it holds none of the rest
+(``"handed_held"``, when it starts new workers), or to die.
 
 A consumer's entry goes when its process is found dead, or when its connection closed
 (``loaderd.connections`` tells ``loaderd.consumers``) and it holds no slot, so short-lived
@@ -56,6 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loaderd.client.errors import ProtocolError
 from loaderd.client.protocol import Buffer
 from loaderd.client.shm import (
     GEN,
@@ -65,17 +75,19 @@ from loaderd.client.shm import (
     PAGE,
     ShmError,
     SlotDescriptor,
+    is_uint,
     layout_bytes,
 )
 from loaderd.config import ShmConfig
-from loaderd.consumers import Consumers
+from loaderd.consumers import Consumers, pid_alive
 from loaderd.prefetch import Batch, Placed
 from loaderd.shm_ring import LentRing, cleanup_stale
 from loaderd.stats import human_bytes
 
 logger = logging.getLogger(__name__)
 
-BatchKey = tuple[Any, ...]  # opaque here but for its first element, the job's name
+BatchKey = tuple[Any, ...]  # opaque here but for its first two elements, job and rank
+SlotId = tuple[str, int, int]  # ring name, slot, generation: one lending of one slot
 _PREFETCH = "prefetch"  # ring owner of a slot assembled ahead of demand
 _MAX_SHM_SHARE = 4  # rings never take more than a quarter of what is free in /dev/shm
 _MIN_SLOTS = 4  # fewer (automatic sizing) and the socket serves the job as well
@@ -84,6 +96,7 @@ _MIN_SLOTS = 4  # fewer (automatic sizing) and the socket serves the job as well
 _HALF_FLOOR_SLOTS = 16
 _MAX_REASONS = 256  # jobs whose reason for the socket path stats remember
 _MAX_CONSUMERS = 1 << 12  # entries kept; past it the oldest holding nothing are forgotten
+_MAX_SLOT_IDS = 1 << 16  # slots one "returned" / "handed_held" may name
 # A ring unused this long is removed: long enough for a trainer's DataLoader workers to come
 # back for the next epoch without a new ring each time.
 _IDLE_S = 5.0
@@ -161,6 +174,35 @@ class RingAllocator:
 class _Consumer:
     job: str
     held: dict[BatchKey, SlotLease] = field(default_factory=dict)  # delivered, not acked
+    loop: int | None = None  # the pid of the loop's process it hands its batches to
+
+
+def _slot_id(lease: SlotLease) -> SlotId:
+    return lease.ring.name, lease.slot, lease.desc.generation
+
+
+def slot_ids(name: str, value: Any) -> list[SlotId]:
+    """A request's list of [ring, slot, generation], checked.
+
+    Raises:
+        ProtocolError: not such a list, or longer than ``_MAX_SLOT_IDS``.
+    """
+    if (
+        not isinstance(value, list)
+        or len(value) > _MAX_SLOT_IDS
+        or not all(
+            isinstance(v, list)
+            and len(v) == 3
+            and isinstance(v[0], str)
+            and is_uint(v[1])
+            and is_uint(v[2])
+            for v in value
+        )
+    ):
+        raise ProtocolError(
+            f"field {name!r} must be a list of at most {_MAX_SLOT_IDS} [ring, slot, generation]"
+        )
+    return [(v[0], v[1], v[2]) for v in value]
 
 
 class ShmDelivery:
@@ -187,6 +229,8 @@ class ShmDelivery:
         self.rings: list[LentRing] = []
         self._job_ring: dict[str, LentRing] = {}
         self._consumers: dict[bytes, _Consumer] = {}
+        # Slots a loop's process (pid) may hold, whose worker moved on: (batch key, lease).
+        self._loops: dict[int, dict[SlotId, tuple[BatchKey, SlotLease]]] = {}
         self._failed = False
         self.socket_jobs: dict[str, str] = {}  # job -> why it goes over the socket
         self.delivered = 0  # batches sent as descriptors
@@ -194,6 +238,8 @@ class ShmDelivery:
         self.ring_full = 0  # assemblies that found every slot large enough lent
         self.too_big = 0  # assemblies of a batch larger than any ring's slots
         self.reclaimed = 0  # slots taken back from consumers that went away
+        self.handed = 0  # slots left to a loop's process by a worker that moved on
+        self.returned = 0  # slots a loop's process gave back
         self.removed = 0  # rings removed once no consumer used them
         self._idle_since: dict[str, float] = {}  # ring name -> when it was last seen unused
         if config.enabled:
@@ -293,7 +339,10 @@ class ShmDelivery:
         if old is None and not self._make_room():
             self._refuse(job, f"{len(self._consumers)} shm consumers hold slots")
             return {}
-        self._consumers[identity] = _Consumer(job, old.held if old is not None else {})
+        loop = meta.get("handover")
+        if not (is_uint(loop) and loop > 0 and self._liveness.alive(identity) is not None):
+            loop = None  # only a process the daemon can check for life may hold slots
+        self._consumers[identity] = _Consumer(job, old.held if old is not None else {}, loop)
         return {"shm": {"ring": ring.name, "slot_bytes": ring.slot_bytes}}
 
     def _make_room(self) -> bool:
@@ -381,8 +430,8 @@ class ShmDelivery:
         if consumer is not None:
             if lease is not None and lease.ring.transfer(lease.slot, identity, expected=_PREFETCH):
                 old = consumer.held.pop(key, None)
-                if old is not None and old != lease:
-                    old.release()  # delivered twice (requeued): the older copy is dead
+                if old is not None and old != lease:  # delivered twice (requeued)
+                    self._let_go(consumer, {key: old})
                 consumer.held[key] = lease
                 self.delivered += 1
                 return lease.desc.to_json(), [], False
@@ -400,8 +449,15 @@ class ShmDelivery:
         """Give back the slots a GET_BATCH / ACK says its consumer no longer reads.
 
         Those are the batches in ``release``, and those in ``acks`` unless the ACK comes from
-        the training loop (``loop``), which says what the loop received, not what is unread.
+        the training loop (``loop``), which says what the loop received, not what is unread;
+        and the slots handed to the loop's process that it gives back (``returned``) or does
+        not hold (``handed_held``, module doc).
+
+        Raises:
+            ProtocolError: ``returned`` or ``handed_held`` is malformed.
         """
+        if "returned" in meta or "handed_held" in meta:
+            self._returned(identity, meta)
         consumer = self._consumers.get(identity)
         release = meta.get("release", [])
         acks = [] if meta.get("loop") is True else meta.get("acks", [])
@@ -416,15 +472,63 @@ class ShmDelivery:
                 if lease is not None:
                     lease.ring.release(lease.slot)
 
+    def _returned(self, identity: bytes, meta: dict[str, Any]) -> None:
+        """The slots the loop's process behind ``identity`` gives back or says it holds."""
+        back = slot_ids("returned", meta.get("returned", []))
+        kept = meta.get("handed_held")
+        held_now = None if kept is None else set(slot_ids("handed_held", kept))
+        pid = self._liveness.pid(identity)
+        if pid is None:
+            return  # nothing is handed to a process the daemon cannot check
+        loop = self._loops.get(pid, {})
+        workers = [c for c in self._consumers.values() if c.loop == pid and c.held]
+        for sid in back:
+            lease = loop.pop(sid, (None, None))[1]
+            for c in workers if lease is None else []:
+                key = next((k for k, held in c.held.items() if _slot_id(held) == sid), None)
+                if key is not None:
+                    lease = c.held.pop(key)
+                    break
+            if lease is not None:
+                lease.ring.release(lease.slot)
+                self.returned += 1
+        if held_now is not None:
+            for worker, c in list(self._consumers.items()):
+                if c.loop == pid and self._liveness.alive(worker) is False:
+                    self.reclaim(worker)  # a DataLoader's exited workers: found gone now
+            loop = self._loops.get(pid, {})
+            mine = (meta.get("job"), meta.get("rank"))
+            for sid in [s for s, (key, _) in loop.items() if key[:2] == mine and s not in held_now]:
+                lease = loop.pop(sid)[1]
+                lease.ring.release(lease.slot)
+                self.reclaimed += 1
+        if not loop:
+            self._loops.pop(pid, None)
+
+    def _let_go(self, consumer: _Consumer, leases: dict[BatchKey, SlotLease]) -> bool:
+        """Free slots a consumer no longer reads (True), or leave them to its loop's process."""
+        if consumer.loop is not None and pid_alive(consumer.loop):
+            loop = self._loops.setdefault(consumer.loop, {})
+            loop.update((_slot_id(lease), (key, lease)) for key, lease in leases.items())
+            self.handed += len(leases)
+            return False
+        for lease in leases.values():
+            lease.ring.release(lease.slot)
+        return True
+
     def reclaim(self, identity: bytes) -> int:
-        """Take back every slot delivered to ``identity`` (it reopened a pass or died)."""
+        """Take back every slot delivered to ``identity`` (it reopened a pass or died).
+
+        A worker's slots that its loop's process may hold wait for that process instead.
+        """
         consumer = self._consumers.get(identity)
         if consumer is None or not consumer.held:
             return 0
         n = len(consumer.held)
-        for lease in consumer.held.values():
-            lease.ring.release(lease.slot)
-        consumer.held.clear()
+        freed = self._let_go(consumer, consumer.held)
+        consumer.held = {}
+        if not freed:
+            return 0
         self.reclaimed += n
         logger.info("took back %d shm slots from a consumer of job %s", n, consumer.job)
         return n
@@ -449,12 +553,18 @@ class ShmDelivery:
                 self.reclaim(identity)
                 del self._consumers[identity]
                 self._liveness.forget(identity)
+        for pid in [p for p in self._loops if not pid_alive(p)]:
+            gone = self._loops.pop(pid)
+            for _, lease in gone.values():
+                lease.ring.release(lease.slot)
+            self.reclaimed += len(gone)
         return self._remove_idle_rings(time.monotonic())
 
     def _remove_idle_rings(self, now: float) -> set[str]:
         """Unmap the jobs of rings unused for ``_IDLE_S`` and remove those with no slot lent."""
         used = {id(self._job_ring.get(c.job)) for c in self._consumers.values()}
         used |= {id(lease.ring) for c in self._consumers.values() for lease in c.held.values()}
+        used |= {id(lease.ring) for loop in self._loops.values() for _, lease in loop.values()}
         idle = [r for r in self.rings if id(r) not in used]
         self._idle_since = {r.name: self._idle_since.get(r.name, now) for r in idle}
         going = [r for r in idle if now - self._idle_since[r.name] >= _IDLE_S]
@@ -495,6 +605,9 @@ class ShmDelivery:
             "ring_full": self.ring_full,
             "too_big": self.too_big,
             "reclaimed": self.reclaimed,
+            "handed": self.handed,
+            "returned": self.returned,
+            "lent_to_loops": sum(map(len, self._loops.values())),
             "rings_removed": self.removed,
             "max_bytes": self.config.max_bytes,
             "socket_jobs": dict(self.socket_jobs),

@@ -1,0 +1,185 @@
+"""DataLoader workers hand their shared-memory slots to the loop's process with the batches.
+
+A real daemon, real DataLoader workers (forked), real rings: the bytes are the store's, no
+batch is copied into torch's shared memory, a batch the loop keeps is never overwritten, and
+every slot comes back, after a ``break``, with persistent workers, and when the training
+process is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from loaderd.client import LoaderdDataset
+from loaderd.client.connection import Connection
+from loaderd.client.errors import RemoteError
+from loaderd.client.loop_acks import TaggedBatch
+from loaderd.client.protocol import MsgType
+from loaderd.client.slot_handover import slot_ref
+from loaderd.shm_ring import LentRing
+from tests.conftest import N_SAMPLES
+from tests.helpers import Daemon, wait_until
+
+pytestmark = pytest.mark.integration
+
+Dataset = tuple[Path, dict[str, np.ndarray]]
+
+
+def shm(address: str) -> dict[str, int]:
+    with Connection(address) as conn:
+        return conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta["shm"]
+
+
+def check(batch: dict[str, torch.Tensor], arrays: dict[str, np.ndarray]) -> list[int]:
+    ids = batch["id"].numpy()
+    np.testing.assert_array_equal(batch["image"].numpy(), arrays["image"][ids])
+    np.testing.assert_array_equal(batch["label"].numpy(), arrays["label"][ids])
+    return list(ids.tolist())
+
+
+def test_workers_hand_the_loop_their_slots_not_copies(dataset: Dataset, tmp_path: Path) -> None:
+    db, arrays = dataset
+    with Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "16"]) as d:
+        ds = LoaderdDataset(d.address, job="handover", batch_size=24, prefetch=2)
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        batches = 0
+        for _ in range(2):  # a pass of misses, then one of hits
+            ids: list[int] = []
+            for batch in loader:
+                ids += check(batch, arrays)
+                # A copy would have gone through torch's shared memory, file by file.
+                assert not batch["image"].is_shared()
+                batches += 1
+            assert sorted(ids) == list(range(N_SAMPLES))
+        s = shm(d.address)
+        assert (s["delivered"], s["socket_fallbacks"]) == (batches, 0)
+        assert s["returned"] >= batches - 2, "the loop gave back what it dropped"
+        del batch, loader
+        ds.close()
+        wait_until(lambda: shm(d.address)["lent"] == 0, what="every slot back")
+
+
+def test_batches_the_loop_keeps_are_never_overwritten(dataset: Dataset, tmp_path: Path) -> None:
+    """Every batch of two epochs kept, three times the ring's slots: each stays the store's.
+
+    Once every slot is held, later batches come over the socket; none is assembled into a
+    slot the loop still reads.
+    """
+    db, arrays = dataset
+    with Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "8"]) as d:
+        ds = LoaderdDataset(d.address, job="keep", batch_size=16, prefetch=2)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        kept = [batch for _ in range(2) for batch in loader]
+        assert len(kept) == 2 * N_SAMPLES // 16
+        for batch in kept:
+            check(batch, arrays)
+        s = shm(d.address)
+        assert s["delivered"] >= 8 and s["socket_fallbacks"] > 0
+        del kept, batch, loader
+        ds.close()
+        wait_until(lambda: shm(d.address)["lent"] == 0, what="every slot back")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_loop_that_breaks_leaves_no_slot_behind(
+    dataset: Dataset, tmp_path: Path, persistent: bool
+) -> None:
+    """Four epochs stopped after three batches: what the workers fetched ahead comes back."""
+    db, arrays = dataset
+    with Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "32"]) as d:
+        ds = LoaderdDataset(d.address, job="break", batch_size=16, prefetch=4)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+        for _ in range(4):
+            for i, batch in enumerate(loader):
+                check(batch, arrays)
+                if i == 2:
+                    break
+        assert shm(d.address)["delivered"] > 0
+        del batch, loader
+        ds.close()
+        wait_until(lambda: shm(d.address)["lent"] == 0, what="every slot back")
+
+
+TRAINER = textwrap.dedent(
+    """
+    import sys
+    from torch.utils.data import DataLoader
+    from loaderd.client import LoaderdDataset
+    ds = LoaderdDataset(sys.argv[1], job="killed", batch_size=16, prefetch=4)
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    kept = []
+    for batch in loader:
+        kept.append(batch)
+        if len(kept) == 6:
+            print("holding", flush=True)
+            sys.stdin.readline()  # hold them until killed
+    """
+)
+
+
+def test_a_killed_training_process_gives_its_slots_back(daemon: Daemon) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", TRAINER, daemon.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"holding"
+        assert shm(daemon.address)["lent"] >= 6
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        wait_until(lambda: shm(daemon.address)["lent"] == 0, what="slots reclaimed")
+
+
+def test_a_malformed_return_is_refused_and_the_daemon_stays_up(daemon: Daemon) -> None:
+    with Connection(daemon.address) as conn:
+        hello = {"job": "bad", "rank": 0, "world_size": 1, "seed": 0, "batch_size": 16}
+        hello |= {"options": {}, "pid": os.getpid(), "shm": True}
+        conn.request(MsgType.HELLO, hello, expect=MsgType.WELCOME)
+        ack = {"job": "bad", "rank": 0, "worker": 0, "epoch": 0, "phase": "train", "acks": []}
+        ack["loop"] = True  # from the loop's process, naming no pass the daemon knows
+        with pytest.raises(RemoteError, match="'returned' must be a list"):
+            conn.request(MsgType.ACK, {**ack, "returned": [["r", -1, 0]]}, expect=MsgType.OK)
+        conn.request(MsgType.ACK, {**ack, "returned": [["r", 1, 0]]}, expect=MsgType.OK)
+    assert shm(daemon.address)["returned"] == 0, "a slot never handed over is not taken"
+
+
+def test_a_packed_batch_views_the_same_bytes_until_its_slot_is_lent_again() -> None:
+    """Pickled as a worker's queue does, unpickled as the loop's process does (one process)."""
+    with LentRing.create(2, 4096) as ring:
+        slot = ring.acquire()
+        assert slot is not None
+        view = ring.view(slot)
+        block = np.frombuffer(view, np.float32)[:64].reshape(8, 8)
+        block[:] = np.arange(64, dtype=np.float32).reshape(8, 8)
+        batch = TaggedBatch(
+            whole=torch.from_numpy(block),
+            column=torch.from_numpy(block)[:, 3],  # strided, inside the slot
+            outside=torch.arange(5),  # small and elsewhere: by value
+            names=["a", "b"],
+        )
+        batch.loaderd_slot = slot_ref("j", 0, (ring.name, slot, ring.generation(slot)), view)
+        back = pickle.loads(pickle.dumps(batch))
+        assert back["whole"].data_ptr() != batch["whole"].data_ptr(), "a mapping of its own"
+        torch.testing.assert_close(back["whole"], batch["whole"])
+        torch.testing.assert_close(back["column"], batch["column"])
+        torch.testing.assert_close(back["outside"], torch.arange(5))
+        assert back["names"] == ["a", "b"] and not back.loaderd_stale
+        block[0, 0] = -1.0  # the same bytes, not a copy
+        assert back["whole"][0, 0].item() == -1.0
+        packed = pickle.dumps(batch)
+        ring.release(slot)
+        assert ring.acquire() is not None  # lent again: a new generation
+        stale = pickle.loads(packed)
+        assert stale.loaderd_stale and not stale
