@@ -9,7 +9,7 @@ TYPES   := build/typecheck
 
 .PHONY: install demo test test-unit test-integration lint format typecheck bench \
         bench-importance bench-cache bench-throughput bench-sizes bench-load bench-hybrid \
-        bench-autotune bench-device bench-cores clean
+        bench-autotune bench-device bench-cores bench-workers clean
 
 install: $(STAMP)
 
@@ -49,7 +49,7 @@ lint: install typecheck
 	$(BIN)/ruff check loaderd client storage tests benchmarks
 
 bench: bench-importance bench-cache bench-throughput bench-sizes bench-load bench-hybrid \
-       bench-autotune bench-device bench-cores
+       bench-autotune bench-device bench-cores bench-workers
 
 bench-importance: install
 	$(BIN)/python benchmarks/bench_importance.py
@@ -65,6 +65,10 @@ bench-throughput: install
 bench-sizes: install
 	$(BIN)/pip install -q -e '.[bench]'
 	nice -n 19 $(BIN)/python benchmarks/bench_sizes.py
+
+bench-workers: install
+	$(BIN)/pip install -q -e '.[bench]'
+	nice -n 19 $(BIN)/python benchmarks/bench_workers.py
 
 # Where CUDA exists; elsewhere it says so and measures nothing.
 bench-device: install

@@ -1,0 +1,161 @@
+"""loaderd through DataLoader workers, against no workers and a plain DataLoader, warm.
+
+What a user gets who keeps ``DataLoader(ds, batch_size=None, num_workers=2)``, the README's
+example and what frameworks advise: each batch handed from the worker to the loop's process
+slot and all (``client/slot_handover.py``), with fresh and with persistent workers; the copy
+into torch's shared memory that every batch took before (a ``transform`` still takes it: here
+one that returns the batch as it is); loaderd with ``num_workers=0``; and a plain DataLoader
+(num_workers 0 and 2) reading the same LMDB, best warm epoch.
+
+Each loaderd row is a fresh daemon (DRAM 1.5x the store, the page cache held warm) over
+``--epochs`` epochs, each timed from its first batch: the first is a warm miss, the best of
+the others a hit. Ratios are against the best plain DataLoader of the same run. Writes
+``results/workers.json`` and ``results/workers.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from _baselines import BATCH, dataloader, epochs_of, held_in_cache
+from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
+from bench_throughput import Context
+
+HERE = Path(__file__).resolve().parent
+MIN_BATCHES = 200  # an epoch is timed from its first batch: enough batches to time
+
+# (label, num_workers, persistent_workers, copied: through a transform, as before handover)
+SETUPS = [
+    ("0 workers", 0, False, False),
+    ("2 workers, handed over", 2, False, False),
+    ("2 persistent workers, handed over", 2, True, False),
+    ("2 workers, copied (a transform)", 2, False, True),
+]
+
+
+def as_it_is(batch: dict[str, Any]) -> dict[str, Any]:
+    """A transform that changes nothing: the worker copies the batch out of its slot first."""
+    return batch
+
+
+def loaderd_epochs(
+    ctx: Context, db: Path, epochs: int, workers: int, persistent: bool, copied: bool
+) -> dict[str, Any]:
+    from torch.utils.data import DataLoader
+
+    from loaderd.client import LoaderdDataset
+
+    store_bytes = (db / "data.mdb").stat().st_size
+    srv = ctx.serve(db, int(store_bytes * 1.5))
+    try:
+        ds = LoaderdDataset(
+            srv.address,
+            job="bench",
+            batch_size=BATCH,
+            prefetch=8,
+            transform=as_it_is if copied else None,
+        )
+        ds.connect()
+        loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=persistent)
+        rates = epochs_of(loader, epochs, "id")
+        del loader
+        shm = ds.stats()["shm"]
+        ds.close()
+        return {"rates": rates, "socket_fallbacks": shm["socket_fallbacks"]}
+    finally:
+        ctx.stop(srv)
+
+
+def bench_one(ctx: Context, size: int, store_mb: int, epochs: int) -> dict[str, Any]:
+    n = max(BATCH * MIN_BATCHES, store_mb * 1_000_000 // size)
+    db = make_store(ctx.root, n, size)
+    dl = {w: dataloader(db, w, epochs, cold=False)["warm"] for w in (0, 2)}
+    best = max(dl.values())
+    rows: dict[str, Any] = {}
+    with held_in_cache([db / "data.mdb"]):
+        for label, workers, persistent, copied in SETUPS:
+            got = loaderd_epochs(ctx, db, epochs, workers, persistent, copied)
+            rates = got["rates"]
+            rows[label] = {
+                "warm miss": round(rates[0]),
+                "hit": round(max(rates[1:])),
+                "vs_dataloader": {
+                    "warm miss": round(rates[0] / best, 2),
+                    "hit": round(max(rates[1:]) / best, 2),
+                },
+                "epochs": [round(r) for r in rates],
+                "socket_fallbacks": got["socket_fallbacks"],
+            }
+    row = {
+        "sample_bytes": size,
+        "samples": n,
+        "dataloader": {f"num_workers={w}": round(r) for w, r in dl.items()},
+        "loaderd": rows,
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> str:
+    lines = [
+        *header("loaderd through DataLoader workers", info, command),
+        "Samples/s, batch 64, the store held in the page cache. loaderd: a fresh daemon per "
+        "row, its first epoch (warm miss) and best later epoch (hit); in brackets the ratio to "
+        "the best plain DataLoader (num_workers 0 or 2) of the same run. `copied`: the path "
+        "every batch of a worker took before slots were handed over (a `transform` takes it "
+        "still).",
+        "",
+    ]
+    for r in rows:
+        dl = r["dataloader"]
+        lines += [
+            f"### {r['sample_bytes']:,} B samples ({r['samples']:,})",
+            "",
+            f"Plain DataLoader: {dl['num_workers=0']:,} (0 workers), "
+            f"{dl['num_workers=2']:,} (2 workers).",
+            "",
+            "| loaderd | warm miss | hit | epochs | over the socket |",
+            "|---|---:|---:|---|---:|",
+        ]
+        for label, v in r["loaderd"].items():
+            vs = v["vs_dataloader"]
+            lines.append(
+                f"| {label} | {v['warm miss']:,} ({vs['warm miss']}x) | {v['hit']:,} "
+                f"({vs['hit']}x) | {', '.join(f'{e:,}' for e in v['epochs'])} | "
+                f"{v['socket_fallbacks']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    info = machine()
+    with ExitStack() as stack:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        ctx = Context(args, stack)
+        rows = [bench_one(ctx, size, args.store_mb, args.epochs) for size in args.sizes]
+    write_results(args.out, "workers", info, rows, lambda cmd: markdown(rows, info, cmd))
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 3_000])
+    p.add_argument("--store-mb", type=int, default=600, help="about this much data per size")
+    p.add_argument("--epochs", type=int, default=3, help="the first a warm miss, then hits")
+    p.add_argument("--shm-slots", type=int, default=0, help="0: the daemon sizes its rings")
+    p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.set_defaults(profile=False)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
