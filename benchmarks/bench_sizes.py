@@ -22,6 +22,7 @@ import json
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -85,33 +86,43 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
     return "\n".join(lines) + "\n"
 
 
-def main(args: argparse.Namespace) -> int:
+BenchOne = Callable[[Context, int, int, int], dict[str, Any]]
+Markdown = Callable[[list[dict[str, Any]], dict[str, Any], str], str]
+
+
+def sweep(args: argparse.Namespace, name: str, bench_one: BenchOne, markdown: Markdown) -> int:
+    """``bench_one(ctx, size, store_mb, epochs)`` for each of ``args.sizes``; results/<name>."""
     info = machine()
     with ExitStack() as stack:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         ctx = Context(args, stack)
         rows = [bench_one(ctx, size, args.store_mb, args.epochs) for size in args.sizes]
-    write_results(args.out, "sizes", info, rows, lambda cmd: markdown(rows, info, cmd))
+    write_results(args.out, name, info, rows, lambda cmd: markdown(rows, info, cmd))
     return 0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument(
-        "--sizes",
-        type=int,
-        nargs="+",
-        default=[3_000, 10_000, 30_000, 100_000, 300_000],
-        help="sample sizes in bytes",
-    )
+def sweep_args(
+    doc: str | None, sizes: list[int], epochs: str, argv: list[str] | None
+) -> argparse.Namespace:
+    """The options of a sweep over sample sizes (``sweep``); ``epochs`` says what they are."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    p.add_argument("--sizes", type=int, nargs="+", default=sizes, help="sample sizes in bytes")
     p.add_argument("--store-mb", type=int, default=600, help="about this much data per size")
-    p.add_argument("--epochs", type=int, default=3, help="warm epochs; the best counts")
+    p.add_argument("--epochs", type=int, default=3, help=epochs)
     p.add_argument("--shm-slots", type=int, default=0, help="0: the daemon sizes its rings")
-    p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
     p.add_argument("--out", default=str(HERE / "results"))
     p.set_defaults(profile=False)
     return p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    return sweep(args, "sizes", bench_one, markdown)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    sizes = [3_000, 10_000, 30_000, 100_000, 300_000]
+    return sweep_args(__doc__, sizes, "warm epochs; the best counts", argv)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import tempfile
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from _baselines import BATCH, dataloader, epochs_of, held_in_cache
-from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
+from _timing import header, make_store  # the script's folder is on sys.path
+from bench_sizes import MIN_BATCHES, sweep, sweep_args
 from bench_throughput import Context
 
 HERE = Path(__file__).resolve().parent
-MIN_BATCHES = 200  # an epoch is timed from its first batch: enough batches to time
 
 # (label, num_workers, persistent_workers, copied: through a transform, as before handover)
 SETUPS = [
@@ -136,25 +133,11 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
 
 
 def main(args: argparse.Namespace) -> int:
-    info = machine()
-    with ExitStack() as stack:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        ctx = Context(args, stack)
-        rows = [bench_one(ctx, size, args.store_mb, args.epochs) for size in args.sizes]
-    write_results(args.out, "workers", info, rows, lambda cmd: markdown(rows, info, cmd))
-    return 0
+    return sweep(args, "workers", bench_one, markdown)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 3_000])
-    p.add_argument("--store-mb", type=int, default=600, help="about this much data per size")
-    p.add_argument("--epochs", type=int, default=3, help="the first a warm miss, then hits")
-    p.add_argument("--shm-slots", type=int, default=0, help="0: the daemon sizes its rings")
-    p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
-    p.add_argument("--out", default=str(HERE / "results"))
-    p.set_defaults(profile=False)
-    return p.parse_args(argv)
+    return sweep_args(__doc__, [100_000, 3_000], "the first a warm miss, then hits", argv)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,19 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from loaderd.client.connection import Connection
+from loaderd.client.protocol import MsgType
 from loaderd.launch import start_daemon, stop_daemon, wait_ready
 
 
@@ -140,3 +145,24 @@ class Daemon:
         if self.log.exists():
             print(self.log.read_text()[-4000:])  # shown when the test fails
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def daemon_shm(address: str) -> dict[str, Any]:
+    """The ``shm`` section of a daemon's statistics."""
+    with Connection(address, timeout_s=10.0) as conn:
+        meta = conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta
+    return dict(meta["shm"])
+
+
+@contextmanager
+def client_process(script: str, *args: str, ready: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -c script *args``, once it has printed the line ``ready``; killed on exit."""
+    with subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().decode().strip() == ready
+        try:
+            yield proc
+        finally:
+            proc.kill()

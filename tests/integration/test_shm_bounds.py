@@ -19,15 +19,9 @@ from loaderd.config import parse_size
 from loaderd.consumers import pid_namespace
 from loaderd.stats import human_bytes
 from tests.conftest import N_SAMPLES
-from tests.helpers import Daemon, wait_until
+from tests.helpers import Daemon, daemon_shm, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def shm_stats(address: str) -> dict[str, Any]:
-    with Connection(address, timeout_s=10.0) as conn:
-        meta = conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta
-    return dict(meta["shm"])
 
 
 def _hello(conn: Connection, job: str, pid: int, pidns: str) -> None:
@@ -56,7 +50,7 @@ FOREIGN_NS = "pid:[1]" if pid_namespace() != "pid:[1]" else "pid:[2]"
 
 
 def test_short_lived_clients_leave_no_consumer_entries(daemon: Daemon) -> None:
-    base = shm_stats(daemon.address)
+    base = daemon_shm(daemon.address)
     for n in range(40):  # one live process; half say a pid the daemon cannot check
         with Connection(daemon.address, timeout_s=10.0) as conn:
             _hello(conn, "short", os.getpid(), pid_namespace() if n % 2 else FOREIGN_NS)
@@ -65,14 +59,14 @@ def test_short_lived_clients_leave_no_consumer_entries(daemon: Daemon) -> None:
     ds = LoaderdDataset(daemon.address, job="short-ds", batch_size=16, timeout_s=10.0)
     assert sum(1 for _ in ds) > 0
     ds.close()
-    assert shm_stats(daemon.address)["delivered"] >= 40, "the batches came through the ring"
+    assert daemon_shm(daemon.address)["delivered"] >= 40, "the batches came through the ring"
 
     def settled() -> bool:
-        s = shm_stats(daemon.address)
+        s = daemon_shm(daemon.address)
         return s["consumers"] <= base["consumers"] + 1
 
     wait_until(settled, timeout_s=30, what="the closed clients' shm entries to go")
-    s = shm_stats(daemon.address)
+    s = daemon_shm(daemon.address)
     assert s["lent_to_consumers"] <= 1, "only the dataset's last batch may still be lent"
 
 
@@ -91,13 +85,13 @@ def test_a_closed_connection_keeps_its_slots_until_its_process_dies(daemon: Daem
         with Connection(daemon.address, timeout_s=10.0) as idle:  # closed, holding nothing
             _hello(idle, "held-idle", os.getpid(), pid_namespace())
         # One sweep judges every entry: once the idle one is gone, the others were judged.
-        wait_until(lambda: shm_stats(daemon.address)["consumers"] == 2, what="the idle entry")
-        s = shm_stats(daemon.address)
+        wait_until(lambda: daemon_shm(daemon.address)["consumers"] == 2, what="the idle entry")
+        s = daemon_shm(daemon.address)
         assert s["lent_to_consumers"] == 2 and s["reclaimed"] == 0
         trainer.kill()
         trainer.wait()
-        wait_until(lambda: shm_stats(daemon.address)["reclaimed"] == 1, what="the dead pid")
-        s = shm_stats(daemon.address)
+        wait_until(lambda: daemon_shm(daemon.address)["reclaimed"] == 1, what="the dead pid")
+        s = daemon_shm(daemon.address)
         assert s["lent_to_consumers"] == 1, "the foreign trainer still holds its slot"
         assert s["consumers"] == 1
 
@@ -141,7 +135,7 @@ def test_a_huge_batch_size_cannot_take_shm_past_the_cap(
         huge, ids = _read_all(d.address, arrays, "huge", 8192)  # slots of ~1.7 MiB: past the cap
         assert not huge, "no ring for the huge job: its batches came over the socket"
         assert sorted(ids) == list(range(N_SAMPLES)), "and they are the right bytes"
-        s = shm_stats(d.address)
+        s = daemon_shm(d.address)
         assert "--shm-bytes" in s["socket_jobs"]["huge"]
         assert "job huge goes over the socket" in d.log.read_text()
         # The huge job fixed nothing: a later job with another slot size gets its own ring.
@@ -149,7 +143,7 @@ def test_a_huge_batch_size_cannot_take_shm_past_the_cap(
         assert mid["ring"] and mid["ring"] != small["ring"]
         assert mid["slot_bytes"] > small["slot_bytes"]
         assert sorted(ids) == list(range(N_SAMPLES))
-        s = shm_stats(d.address)
+        s = daemon_shm(d.address)
         assert set(s["socket_jobs"]) == {"huge"}
         assert len(s["rings"]) == 2
         assert _ring_files_bytes(s) <= cap, "every ring's file together stays within the cap"
@@ -164,7 +158,7 @@ def test_a_fixed_slot_count_the_cap_cannot_hold_gets_as_many_slots_as_fit(
     with Daemon(db=dataset[0], state_dir=tmp_path / "state", extra=extra) as d:
         shm, ids = _read_all(d.address, dataset[1], "wide", 1024)
         assert shm["ring"] and sorted(ids) == list(range(N_SAMPLES))
-        s = shm_stats(d.address)
+        s = daemon_shm(d.address)
         ring = s["rings"][0]
         assert 4 <= ring["slots"] < 64 and not s["socket_jobs"]
         assert s["delivered"] >= 1 and s["socket_fallbacks"] == 0
@@ -197,7 +191,7 @@ def test_a_ring_no_consumer_uses_is_removed_and_a_later_job_gets_one(
             _hold_a_batch(wide, "wide")  # held by the trainer's process when this closes
         with Connection(d.address, timeout_s=20.0) as narrow:
             assert not _hello_ring(narrow, "narrow", 2000, os.getpid()), "no room left"
-        assert "--shm-bytes" in shm_stats(d.address)["socket_jobs"]["narrow"]
+        assert "--shm-bytes" in daemon_shm(d.address)["socket_jobs"]["narrow"]
         with Connection(d.address, timeout_s=20.0) as small:  # small slots: room for those
             small_ring = _hello_ring(small, "small", 16, os.getpid())["ring"]
             req, index = _hold_a_batch(small, "small")
@@ -205,18 +199,18 @@ def test_a_ring_no_consumer_uses_is_removed_and_a_later_job_gets_one(
         # The small ring is removed once unused; the wide one, unused as long but with a slot
         # lent to a live process, stays (the same sweeps judged both).
         wait_until(
-            lambda: [r["name"] for r in shm_stats(d.address)["rings"]] == [ring],
+            lambda: [r["name"] for r in daemon_shm(d.address)["rings"]] == [ring],
             timeout_s=60,
             what="the unused small ring to go",
         )
         assert not (SHM_DIR / small_ring).exists() and (SHM_DIR / ring).exists()
         trainer.kill()  # its slot comes back: nothing holds the wide ring now
         trainer.wait()
-        wait_until(lambda: not shm_stats(d.address)["rings"], timeout_s=60, what="the wide ring")
+        wait_until(lambda: not daemon_shm(d.address)["rings"], timeout_s=60, what="the wide ring")
         assert not (SHM_DIR / ring).exists()
-        assert shm_stats(d.address)["rings_removed"] == 2
+        assert daemon_shm(d.address)["rings_removed"] == 2
         welcome, ids = _read_all(d.address, arrays, "narrow", 2000)
         assert welcome["ring"] and sorted(ids) == list(range(N_SAMPLES))
-        s = shm_stats(d.address)
+        s = daemon_shm(d.address)
         assert s["delivered"] >= 3 and "narrow" not in s["socket_jobs"]
         assert "removed shm ring" in d.log.read_text()

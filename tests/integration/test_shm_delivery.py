@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
 from loaderd.client.shm import SHM_DIR, SlotDescriptor
 from tests.conftest import N_SAMPLES
-from tests.helpers import Daemon, wait_until
+from tests.helpers import Daemon, client_process, daemon_shm, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -173,23 +172,13 @@ CLIENT = textwrap.dedent(
 
 
 def test_killed_clients_slots_are_reclaimed(daemon: Daemon) -> None:
-    with subprocess.Popen(
-        [sys.executable, "-c", CLIENT, daemon.address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    ) as proc:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == b"got"
-        with Connection(daemon.address) as conn:
-
-            def shm() -> dict[str, int]:
-                return conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta["shm"]
-
-            wait_until(lambda: shm()["lent_to_consumers"] >= 2, what="the client's window")
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            wait_until(lambda: shm()["lent_to_consumers"] == 0, what="slots reclaimed")
-            assert shm()["reclaimed"] >= 2
+    with client_process(CLIENT, daemon.address, ready="got") as proc:
+        stats = partial(daemon_shm, daemon.address)
+        wait_until(lambda: stats()["lent_to_consumers"] >= 2, what="the client's window")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        wait_until(lambda: stats()["lent_to_consumers"] == 0, what="slots reclaimed")
+        assert stats()["reclaimed"] >= 2
 
 
 def test_killed_daemon_leaves_nothing_that_stops_a_restart(

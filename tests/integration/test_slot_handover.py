@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -29,16 +27,11 @@ from loaderd.client.protocol import MsgType
 from loaderd.client.slot_handover import slot_ref
 from loaderd.shm_ring import LentRing
 from tests.conftest import N_SAMPLES
-from tests.helpers import Daemon, wait_until
+from tests.helpers import Daemon, client_process, daemon_shm, wait_until
 
 pytestmark = pytest.mark.integration
 
 Dataset = tuple[Path, dict[str, np.ndarray]]
-
-
-def shm(address: str) -> dict[str, int]:
-    with Connection(address) as conn:
-        return conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta["shm"]
 
 
 def check(batch: dict[str, torch.Tensor], arrays: dict[str, np.ndarray]) -> list[int]:
@@ -62,12 +55,12 @@ def test_workers_hand_the_loop_their_slots_not_copies(dataset: Dataset, tmp_path
                 assert not batch["image"].is_shared()
                 batches += 1
             assert sorted(ids) == list(range(N_SAMPLES))
-        s = shm(d.address)
+        s = daemon_shm(d.address)
         assert (s["delivered"], s["socket_fallbacks"]) == (batches, 0)
         assert s["returned"] >= batches - 2, "the loop gave back what it dropped"
         del batch, loader
         ds.close()
-        wait_until(lambda: shm(d.address)["lent"] == 0, what="every slot back")
+        wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
 
 
 def test_batches_the_loop_keeps_are_never_overwritten(dataset: Dataset, tmp_path: Path) -> None:
@@ -84,11 +77,11 @@ def test_batches_the_loop_keeps_are_never_overwritten(dataset: Dataset, tmp_path
         assert len(kept) == 2 * N_SAMPLES // 16
         for batch in kept:
             check(batch, arrays)
-        s = shm(d.address)
+        s = daemon_shm(d.address)
         assert s["delivered"] >= 8 and s["socket_fallbacks"] > 0
         del kept, batch, loader
         ds.close()
-        wait_until(lambda: shm(d.address)["lent"] == 0, what="every slot back")
+        wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -105,10 +98,10 @@ def test_a_loop_that_breaks_leaves_no_slot_behind(
                 check(batch, arrays)
                 if i == 2:
                     break
-        assert shm(d.address)["delivered"] > 0
+        assert daemon_shm(d.address)["delivered"] > 0
         del batch, loader
         ds.close()
-        wait_until(lambda: shm(d.address)["lent"] == 0, what="every slot back")
+        wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
 
 
 TRAINER = textwrap.dedent(
@@ -129,17 +122,11 @@ TRAINER = textwrap.dedent(
 
 
 def test_a_killed_training_process_gives_its_slots_back(daemon: Daemon) -> None:
-    with subprocess.Popen(
-        [sys.executable, "-c", TRAINER, daemon.address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    ) as proc:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == b"holding"
-        assert shm(daemon.address)["lent"] >= 6
+    with client_process(TRAINER, daemon.address, ready="holding") as proc:
+        assert daemon_shm(daemon.address)["lent"] >= 6
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        wait_until(lambda: shm(daemon.address)["lent"] == 0, what="slots reclaimed")
+        wait_until(lambda: daemon_shm(daemon.address)["lent"] == 0, what="slots reclaimed")
 
 
 def test_a_malformed_return_is_refused_and_the_daemon_stays_up(daemon: Daemon) -> None:
@@ -152,7 +139,7 @@ def test_a_malformed_return_is_refused_and_the_daemon_stays_up(daemon: Daemon) -
         with pytest.raises(RemoteError, match="'returned' must be a list"):
             conn.request(MsgType.ACK, {**ack, "returned": [["r", -1, 0]]}, expect=MsgType.OK)
         conn.request(MsgType.ACK, {**ack, "returned": [["r", 1, 0]]}, expect=MsgType.OK)
-    assert shm(daemon.address)["returned"] == 0, "a slot never handed over is not taken"
+    assert daemon_shm(daemon.address)["returned"] == 0, "a slot never handed over is not taken"
 
 
 def test_a_packed_batch_views_the_same_bytes_until_its_slot_is_lent_again() -> None:
