@@ -26,8 +26,6 @@ from _timing import header, make_store  # the script's folder is on sys.path
 from bench_sizes import MIN_BATCHES, sweep, sweep_args
 from bench_throughput import Context
 
-HERE = Path(__file__).resolve().parent
-
 # (label, num_workers, persistent_workers, copied: through a transform, as before handover)
 SETUPS = [
     ("0 workers", 0, False, False),
