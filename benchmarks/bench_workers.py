@@ -26,6 +26,7 @@ from _timing import header, make_store  # the script's folder is on sys.path
 from bench_sizes import MIN_BATCHES, sweep, sweep_args
 from bench_throughput import Context
 
+MAX_STORE_BYTES = 2_000_000_000  # 1 MB samples: 2,000 of them, 31 batches an epoch
 # (label, num_workers, persistent_workers, copied: through a transform, as before handover)
 SETUPS = [
     ("0 workers", 0, False, False),
@@ -69,7 +70,7 @@ def loaderd_epochs(
 
 
 def bench_one(ctx: Context, size: int, store_mb: int, epochs: int) -> dict[str, Any]:
-    n = max(BATCH * MIN_BATCHES, store_mb * 1_000_000 // size)
+    n = min(max(BATCH * MIN_BATCHES, store_mb * 1_000_000 // size), MAX_STORE_BYTES // size)
     db = make_store(ctx.root, n, size)
     dl = {w: dataloader(db, w, epochs, cold=False)["warm"] for w in (0, 2)}
     best = max(dl.values())
@@ -135,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return sweep_args(__doc__, [100_000, 3_000], "the first a warm miss, then hits", argv)
+    sizes = [100_000, 3_000, 1_000_000]
+    return sweep_args(__doc__, sizes, "the first a warm miss, then hits", argv)
 
 
 if __name__ == "__main__":

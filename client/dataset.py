@@ -287,13 +287,18 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         in_flight: deque[int] = deque()
         # The loop's acknowledgements once no GET_BATCH is due to carry them (module doc).
         acks = Unconfirmed(self.prefetch)
+        window = self.prefetch
+        if hand_over and info is not None and self._shm.slots:
+            # What the loop holds stays lent (slot_handover.py): the workers' windows take at
+            # most half the ring together, so that the batches they ask for find slots.
+            window = max(1, min(window, self._shm.slots // (2 * info.num_workers)))
         ended = False
         try:
             while True:
                 try:
                     while freed:
                         release.append(freed.popleft())
-                    while not ended and len(in_flight) < self.prefetch:
+                    while not ended and len(in_flight) < window:
                         meta = {**request, "acks": [], "release": release}
                         in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))
                         release = []
@@ -347,7 +352,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                     while freed:
                         release.append(freed.popleft())
                     meta = {**request, "acks": [index], "loop": True, "release": release}
-                    if not ended and len(in_flight) < self.prefetch:
+                    if not ended and len(in_flight) < window:
                         # On the request refilling the window; its BATCH (or END) comes after
                         # the acknowledgement is written, so waiting for it confirms both.
                         in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))

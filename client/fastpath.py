@@ -39,6 +39,7 @@ class ShmReceiver:
     def __init__(self, wanted: bool) -> None:
         self.wanted = wanted
         self._rings: dict[str, ShmRing] = {}  # a daemon has one ring per slot size
+        self.slots = 0  # of the ring the daemon offered this process last (0: none)
         self._pid = -1
         # The last descriptor's ring, its "frames" as sent and as checked: the next batches
         # of a pass have the same layout, so only their slot and generation need checking.
@@ -63,7 +64,7 @@ class ShmReceiver:
         if not isinstance(info, dict) or not isinstance(info.get("ring"), str):
             return True  # the daemon did not offer shared memory: nothing to do
         try:
-            self._attach(info["ring"])
+            self.slots = self._attach(info["ring"]).slots
         except ShmError as e:
             logger.warning("cannot map the daemon's ring, using the socket: %s", e)
             self.wanted = False

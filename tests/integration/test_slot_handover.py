@@ -63,6 +63,27 @@ def test_workers_hand_the_loop_their_slots_not_copies(dataset: Dataset, tmp_path
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
 
 
+def test_workers_windows_leave_the_ring_room_for_what_the_loop_holds(
+    dataset: Dataset, tmp_path: Path
+) -> None:
+    """Two workers asking 8 batches ahead each, a ring of 16 slots: nothing over the socket.
+
+    The slots of batches handed over stay lent until the loop drops them; two full windows
+    took the whole ring, and a quarter of the batches of 1 MB samples came over the socket.
+    """
+    db, arrays = dataset
+    with Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "16"]) as d:
+        ds = LoaderdDataset(d.address, job="windows", batch_size=8, prefetch=8)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        for _ in range(2):
+            ids = [i for batch in loader for i in check(batch, arrays)]
+            assert sorted(ids) == list(range(N_SAMPLES))
+        s = daemon_shm(d.address)
+        assert (s["delivered"], s["socket_fallbacks"]) == (2 * N_SAMPLES // 8, 0)
+        del loader
+        ds.close()
+
+
 def test_batches_the_loop_keeps_are_never_overwritten(dataset: Dataset, tmp_path: Path) -> None:
     """Every batch of two epochs kept, three times the ring's slots: each stays the store's.
 
