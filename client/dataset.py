@@ -319,7 +319,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                         ended = True
                         continue
                     index = int(msg.meta["index"])
-                    if index in progress.seen:  # at-least-once on the wire: drop duplicates
+                    # At-least-once on the wire: drop duplicates. Where the loop's process
+                    # acknowledges, it drops them: a batch it could not take from a worker
+                    # (slot_handover.py: its daemon's ring gone) must reach a worker again.
+                    if acks_here and index in progress.seen:
                         self.delivery.duplicates += 1
                         release.append(index)
                         continue
@@ -526,7 +529,12 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                 "arrive ready-made)"
             )
         if getattr(batch, "loaderd_stale", False):
-            self.delivery.duplicates += 1  # its slot was lent again: the daemon sends it anew
+            # Its slot was lent again or its ring is gone: the daemon hands it out again.
+            meta = self._slots_back(self._loop_ack_meta(tag.phase, tag.epoch, tag.worker, []))
+            meta["lost"] = [tag.index]
+            self._hello_retrying()
+            self._loop_acks.send(self._conn, MsgType.ACK, meta)
+            self.delivery.lost += 1
             return False
         progress = self._progress.setdefault(tag.phase, PassProgress(tag.phase))
         if progress.epoch is not None and tag.epoch < progress.epoch:

@@ -52,7 +52,8 @@ class MsgType(IntEnum):
     PASS = 6  # {"epoch", "phase", "batches"}
     # GET_BATCH and ACK may carry "release": [index] (shared-memory slots no longer read) and
     # "loop": true (its "acks" come from the training loop's process: what it received, not
-    # slots to give back); an ACK "end": true (the pass is over for this consumer, its
+    # slots to give back; with it, "lost": [index] are batches the loop will never get, to be
+    # handed out again); an ACK "end": true (the pass is over for this consumer, its
     # feedback recorded). A reply to a request with "acks" goes once they are written.
     GET_BATCH = 7  # {"job", "rank", "worker", "epoch", "phase", "acks"} -> BATCH | END
     # "instance" in WELCOME and BATCH names the daemon's run: a new one means it restarted.

@@ -59,6 +59,7 @@ class DeliveryStats:
 
     reconnects: int = 0
     duplicates: int = 0  # batches received twice and dropped
+    lost: int = 0  # batches a DataLoader worker handed over whose bytes were gone, asked again
 
 
 def recoverable(e: Exception) -> bool:

@@ -70,6 +70,10 @@ class ShmError(LoaderdError):
     """A shared-memory ring cannot be created, attached or used; the message names the path."""
 
 
+class RingGone(ShmError):
+    """The ring's file is gone: its daemon stopped, and a new one removed it."""
+
+
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -201,7 +205,7 @@ class ShmRing:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise ShmError(
+            raise RingGone(
                 f"no shared-memory ring at {path} (the daemon that made it is gone?)"
             ) from None
         except OSError as e:

@@ -16,8 +16,9 @@ still holds (``handed_held``): the rest of what workers that moved on left it ne
 it (what they fetched ahead, a queue thrown away after a ``break``) and goes back too.
 
 A batch whose slot was lent again before the loop's process unpacked it (its worker died or
-moved on first, and the daemon sent the batch anew) comes out empty and ``stale``: the loop
-drops it, as a duplicate.
+moved on first, and the daemon sent the batch anew), or whose ring is gone (its daemon was
+killed, and the one started since removed the ring; the batch was never acknowledged, so it
+comes again), comes out empty and ``stale``: the loop drops it, as a duplicate.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from loaderd.client.current_pid import current_pid
 from loaderd.client.errors import ProtocolError
 from loaderd.client.fastpath import ShmReceiver
+from loaderd.client.shm import RingGone
 
 # A tensor outside the slot this small travels by value; a larger one as torch sends it.
 _BY_VALUE_BYTES = 64 << 10
@@ -119,14 +121,14 @@ def unpack(packed: tuple[Any, ...]) -> tuple[dict[str, Any], bool]:
     """The batch a worker packed, viewing its slot here; and whether it came ``stale``.
 
     Raises:
-        ShmError: the ring cannot be mapped.
+        ShmError: the ring is there but cannot be mapped.
     """
     job, rank, slot, entries = packed
     state = _state()
     try:
         view = state.receiver.slot(*slot)
-    except ProtocolError:
-        return {}, True  # lent again: the daemon sends this batch anew
+    except (ProtocolError, RingGone):
+        return {}, True  # lent again, or its daemon is gone: the batch comes anew
     anchor = np.frombuffer(view, np.uint8)
     key = (job, rank, slot)
     with state.lock:

@@ -9,8 +9,9 @@ of an older generation (left by a crash between the two steps) are ignored when 
 
 Lines are JSON: ``[generation, [event, ...]]`` with events ``["a", rank, epoch, phase, index,
 worker]`` (assigned), ``["k", rank, epoch, phase, [index, ...]]`` (acknowledged) and
-``["q", rank, epoch, phase, worker]`` (a worker's batches went back to the queue). A torn last
-line (the daemon killed mid-write) does not parse and ends the replay.
+``["q", rank, epoch, phase, worker]`` (a worker's batches went back to the queue) and ``["l",
+rank, epoch, phase, [index, ...]]`` (batches the loop never got went back to the queue). A torn
+last line (the daemon killed mid-write) does not parse and ends the replay.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class CursorLog:
     def requeue(self, rank: int, epoch: int, phase: str, worker: int) -> None:
         """A worker's unacknowledged batches went back to the queue."""
         self._events.append(["q", rank, epoch, phase, worker])
+
+    def lost(self, rank: int, epoch: int, phase: str, indices: list[int]) -> None:
+        """Batches handed out that the training loop never got went back to the queue."""
+        self._events.append(["l", rank, epoch, phase, indices])
 
     def flush(self) -> None:
         """Append the events since the last flush as one line (no fsync: see the module doc)."""
@@ -109,5 +114,8 @@ class CursorLog:
                         cur["acked"].add(index)
                 elif kind == "q":
                     cur["inflight"] = {i: w for i, w in cur["inflight"].items() if w != rest[0]}
+                elif kind == "l":
+                    for index in rest[0]:
+                        cur["inflight"].pop(index, None)
                 applied += 1
         return applied

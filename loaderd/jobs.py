@@ -182,6 +182,12 @@ class PassState:
             new += len(unqueue)
         return new
 
+    def requeue_lost(self, indices: list[int]) -> list[int]:
+        """Put batches handed out but never received back at the front of the queue."""
+        lost = [i for i in dict.fromkeys(indices) if self.inflight.pop(i, None) is not None]
+        self.queue.extendleft(reversed(lost))
+        return lost
+
     def requeue(self, worker: int) -> int:
         """Put a worker's unacknowledged batches back at the front of the queue."""
         lost = sorted(i for i, w in self.inflight.items() if w == worker)
@@ -484,6 +490,15 @@ class Job:
             if self.cursor_log is not None:
                 self.cursor_log.requeue(rank, state.epoch, state.phase, worker)
         return n
+
+    def lost(self, rank: int, state: PassState, indices: list[int]) -> int:
+        """Batches the training loop never got (their bytes were lost on the way): again."""
+        lost = state.requeue_lost(indices)
+        if lost:
+            self._dirty = True
+            if self.cursor_log is not None:
+                self.cursor_log.lost(rank, state.epoch, state.phase, lost)
+        return len(lost)
 
     def ack(self, state: PassState, indices: list[int]) -> None:
         """Record acknowledgements; duplicates are counted, not applied twice."""

@@ -680,7 +680,8 @@ class Server:
         m = msg.meta
         check_int_list("release", m.get("release", []), _MAX_ACKS)
         acks = check_int_list("acks", m["acks"], _MAX_ACKS)
-        if loop_ack(m) and not acks and not m.get("end"):
+        lost = check_int_list("lost", m.get("lost", []), _MAX_ACKS)
+        if loop_ack(m) and not acks and not lost and not m.get("end"):
             # Handed slots given back alone (client/slot_handover.py): no job or pass is
             # needed, the job may have been reset since and the pass be long gone.
             self.shm.release_acked(identity, m)
@@ -694,6 +695,7 @@ class Server:
         if not isinstance(end, bool):
             raise ProtocolError(f"ACK: field 'end' must be a bool, got {end!r}")
         if state is not None:
+            job.lost(m["rank"], state, lost)  # the loop will never get them: out again
             job.ack(state, acks)
             self.outstanding.acked(job.spec.name, m["rank"], m["epoch"], m["phase"], acks)
             state.ended |= end and state.complete

@@ -111,6 +111,30 @@ def test_requeue_keeps_order() -> None:
     assert state.requeue(7) == 0
 
 
+def test_batches_the_loop_never_got_go_out_again_and_survive_a_kill(tmp_path: Path) -> None:
+    """A batch a DataLoader worker handed over whose bytes the loop could not take."""
+    job = make_job(tmp_path)
+    state = job.open_pass(0, worker=0, phase="train")
+    for worker in (0, 1, 0):
+        job.assign(0, state, worker)  # 0 -> 0, 1 -> 1, 2 -> 0
+    job.ack(state, [0])
+    job.commit_cursors()  # the pass's start: job.json whole
+    assert job.lost(0, state, [1, 0, 1, 9]) == 1, "only a batch handed out and not received"
+    assert list(state.queue) == [1, 3, 4] and state.inflight == {2: 0}
+    job.commit_cursors()  # a line of the cursor log
+    assert job.journal is not None and job.cursor_log is not None
+    job.journal.close()  # killed without close()
+    job.cursor_log.close()
+    again = make_job(tmp_path)
+    try:
+        restored = again.get_pass(0, 0, "train")
+        assert restored is not None
+        assert restored.inflight == {2: 0} and restored.acked == {0}
+        assert drain(again, 0, restored) == [1, 3, 4]
+    finally:
+        again.close()
+
+
 def test_duplicate_and_unknown_acks_are_counted_not_applied() -> None:
     job = make_job(None)
     state = job.open_pass(0, worker=0, phase="train")
