@@ -30,7 +30,8 @@ slots do not come back with its acknowledgements, next pass or death while that 
 lives: the loop may hold any batch the worker yielded. Those it had when it moved on wait in
 ``_loops`` for the loop's process to give each back (``"returned"``: ring, slot and
 generation, so a slot lent again since is never touched), to say it holds none of the rest
-(``"handed_held"``, when it starts new workers), or to die.
+(``"handed_held"``, about once a second and when its DataLoader's workers exit; the daemon
+first looks whether they are gone), or to die.
 
 A consumer's entry goes when its process is found dead, or when its connection closed
 (``loaderd.connections`` tells ``loaderd.consumers``) and it holds no slot, so short-lived
