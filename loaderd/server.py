@@ -271,6 +271,8 @@ class Server:
         ``_GROUP_COMMIT_S`` (group commit; ``sync_now``: at once), its replies held till then.
         """
         if durability_failure(job.commit_cursors for job in self.jobs.values()) is not None:
+            if self._journal_due is not None:  # retried at the tick, not in a spinning poll
+                self._journal_due = time.monotonic() + _TICK_S
             return  # nothing waiting on a cursor goes out before it is written: next turn
         crashpoints.hit("commit")
         self.outbox.release(After.CURSORS)
