@@ -173,8 +173,23 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
         ds = _dataset(self)
         if ds is not None and not was and getattr(self, "_shutdown", False):
             ds._workers_gone()  # the slots they handed over and the loop does not hold
+            _feeders_gone(self)
 
     cls.__init__ = __init__
     cls._next_data = _next_data
     cls._shutdown_workers = _shutdown_workers
     cls._loaderd_wrapped = True
+
+
+def _feeders_gone(it: Any) -> None:
+    """Wait (briefly) for the closed index queues' feeder threads to end.
+
+    PyTorch closes them without joining, and a framework starts the next epoch's workers at
+    once: CPython 3.11 forks a child that deadlocks in ``PyOS_AfterFork_Child`` when a thread
+    of the parent was ending at that moment (seen: a Lightning DDP rank's new worker hung
+    for good in ``_PyThreadState_DeleteExcept``).
+    """
+    for q in getattr(it, "_index_queues", []):
+        thread = getattr(q, "_thread", None)
+        if thread is not None:
+            thread.join(timeout=1.0)
