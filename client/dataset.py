@@ -204,6 +204,8 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._acks_in_main = False  # set for workers whose main process acknowledges
         self._loop_pid: int | None = None  # that process, for workers (client/slot_handover.py)
         self._held_said_at = -_HELD_EVERY_S  # when the loop's process last said what it holds
+        self._lost_here: set[tuple[int, int]] = set()  # (epoch, index) of handed batches lost
+        self._leftovers: Iterator[Any] | None = None  # the loop's own fetch of them
         self._closed = False
         self._warned_worker_acks = False
 
@@ -528,14 +530,6 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                 "it cannot be acknowledged: use batch_size=None and no collate_fn (batches "
                 "arrive ready-made)"
             )
-        if getattr(batch, "loaderd_stale", False):
-            # Its slot was lent again or its ring is gone: the daemon hands it out again.
-            meta = self._slots_back(self._loop_ack_meta(tag.phase, tag.epoch, tag.worker, []))
-            meta["lost"] = [tag.index]
-            self._hello_retrying()
-            self._loop_acks.send(self._conn, MsgType.ACK, meta)
-            self.delivery.lost += 1
-            return False
         progress = self._progress.setdefault(tag.phase, PassProgress(tag.phase))
         if progress.epoch is not None and tag.epoch < progress.epoch:
             self.delivery.duplicates += 1  # of a pass the loop has whole already
@@ -544,6 +538,15 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             progress.begin(tag.epoch)
         if tag.index in progress.delivered:
             self.delivery.duplicates += 1
+            return False
+        if getattr(batch, "loaderd_stale", False):
+            # Its slot was lent again or its ring is gone: the daemon hands it out again.
+            meta = self._slots_back(self._loop_ack_meta(tag.phase, tag.epoch, tag.worker, []))
+            meta["lost"] = [tag.index]
+            self._hello_retrying()
+            self._loop_acks.send(self._conn, MsgType.ACK, meta)
+            self.delivery.lost += 1
+            self._lost_here.add((tag.epoch, tag.index))
             return False
         progress.delivered.add(tag.index)
         progress.seen.add(tag.index)
@@ -555,6 +558,29 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._loop_acks.send(self._conn, MsgType.ACK, meta)
         self._confirm_loop_acks(keep=self._loop_acks.limit)
         return True
+
+    def _loop_leftover(self) -> Any | None:
+        """Once the workers ended their pass: the next batch the loop lost on their way.
+
+        A handed batch whose bytes were gone (its daemon died and the successor removed its
+        ring) went back to the rank's queue, but the workers may all have had their END
+        already. Then this process fetches what is left of the pass itself, acknowledging as
+        a loop without workers does. None when nothing is left.
+        """
+        if self._leftovers is None:
+            progress = self._progress.get("train")
+            lost, self._lost_here = self._lost_here, set()
+            if progress is None or all(
+                e != progress.epoch or i in progress.delivered for e, i in lost
+            ):
+                return None
+            self._confirm_loop_acks()  # the daemon has them back in the queue
+            self._leftovers = iter(self)
+        try:
+            return next(self._leftovers)
+        except StopIteration:
+            self._leftovers = None
+            return None
 
     def _loop_pass_ended(self) -> None:
         """Every worker finished its pass and the loop received all they sent."""

@@ -13,6 +13,10 @@ acknowledges it through its own connection when the DataLoader iterator hands it
 worker at the daemon and goes back to the rank's queue when the worker opens its next pass or
 dies.
 
+A handed batch the loop cannot take (its ring went with a killed daemon) is reported lost and
+queued again at the daemon; when the workers have all ended their pass by then, the main process
+fetches the rest of the pass itself before the iterator stops (``_loop_leftover``).
+
 PyTorch offers no hook for "the loop received this batch", so the one method that returns it,
 ``_MultiProcessingDataLoaderIter._next_data``, is wrapped (once, at import; the same for
 torchdata's ``StatefulDataLoader``). The wrappers do nothing for datasets that are not
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import dataloader
+from torch.utils.data._utils import pin_memory
 
 from loaderd.client import slot_handover
 from loaderd.client.slot_handover import SlotRef
@@ -159,8 +164,12 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
             try:
                 data = next_data(self)
             except StopIteration:
-                if ds is not None:
-                    ds._loop_pass_ended()
+                if ds is None:
+                    raise
+                left = ds._loop_leftover()
+                if left is not None:  # fetched here, acknowledged already
+                    return _pinned(self, left)
+                ds._loop_pass_ended()
                 raise
             if ds is None or ds._loop_received(data):
                 return data.value if isinstance(data, TaggedValue) else data
@@ -179,6 +188,14 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
     cls._next_data = _next_data
     cls._shutdown_workers = _shutdown_workers
     cls._loaderd_wrapped = True
+
+
+def _pinned(it: Any, batch: Any) -> Any:
+    """``batch`` in pinned memory if the iterator pins what its workers send."""
+    if not getattr(it, "_pin_memory", False):
+        return batch
+    pin: Callable[..., Any] = pin_memory.pin_memory  # untyped in torch
+    return pin(batch, getattr(it, "_pin_memory_device", None) or None)
 
 
 def _feeders_gone(it: Any) -> None:

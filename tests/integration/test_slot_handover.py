@@ -125,6 +125,38 @@ def test_a_loop_that_breaks_leaves_no_slot_behind(
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
 
 
+def test_batches_the_loop_cannot_map_after_the_workers_ended_are_fetched_by_the_loop(
+    dataset: Dataset, tmp_path: Path
+) -> None:
+    """A worker ends its pass while its batches still wait in the DataLoader's queue.
+
+    The daemon that lent their ring dies, and its successor removes the ring before the loop's
+    process has mapped it: no worker is left to fetch them again, so that process does.
+    """
+    db, arrays = dataset
+    d = Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "16"]).start()
+    try:
+        ds = LoaderdDataset(
+            d.address, job="gone", batch_size=N_SAMPLES // 3, prefetch=1, reconnect_s=30
+        )
+        loader = DataLoader(ds, batch_size=None, num_workers=1, prefetch_factor=4)
+        it = iter(loader)
+        # Three batches and the worker's end of its pass, all waiting for the loop.
+        wait_until(lambda: it._data_queue.qsize() == 4, what="the worker's whole pass queued")
+        d.kill()
+        d.start()  # removes the dead daemon's rings
+        ids = [i for batch in it for i in check(batch, arrays)]
+        assert sorted(ids) == list(range(N_SAMPLES))
+        assert ds.delivery.lost == 3
+        ids = [i for batch in loader for i in check(batch, arrays)]  # the next epoch as usual
+        assert sorted(ids) == list(range(N_SAMPLES))
+        del loader
+        ds.close()
+        wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
+    finally:
+        d.close()
+
+
 TRAINER = textwrap.dedent(
     """
     import sys
