@@ -125,8 +125,9 @@ def test_a_loop_that_breaks_leaves_no_slot_behind(
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 def test_batches_the_loop_cannot_map_after_the_workers_ended_are_fetched_by_the_loop(
-    dataset: Dataset, tmp_path: Path
+    dataset: Dataset, tmp_path: Path, persistent: bool
 ) -> None:
     """A worker ends its pass while its batches still wait in the DataLoader's queue.
 
@@ -139,7 +140,9 @@ def test_batches_the_loop_cannot_map_after_the_workers_ended_are_fetched_by_the_
         ds = LoaderdDataset(
             d.address, job="gone", batch_size=N_SAMPLES // 3, prefetch=1, reconnect_s=30
         )
-        loader = DataLoader(ds, batch_size=None, num_workers=1, prefetch_factor=4)
+        loader = DataLoader(
+            ds, batch_size=None, num_workers=1, prefetch_factor=4, persistent_workers=persistent
+        )
         it = iter(loader)
         # Three batches and the worker's end of its pass, all waiting for the loop.
         wait_until(lambda: it._data_queue.qsize() == 4, what="the worker's whole pass queued")
@@ -148,8 +151,10 @@ def test_batches_the_loop_cannot_map_after_the_workers_ended_are_fetched_by_the_
         ids = [i for batch in it for i in check(batch, arrays)]
         assert sorted(ids) == list(range(N_SAMPLES))
         assert ds.delivery.lost == 3
-        ids = [i for batch in loader for i in check(batch, arrays)]  # the next epoch as usual
-        assert sorted(ids) == list(range(N_SAMPLES))
+        for _ in range(2):  # the next epochs as usual
+            ids = [i for batch in loader for i in check(batch, arrays)]
+            assert sorted(ids) == list(range(N_SAMPLES))
+        assert ds.delivery.lost == 3
         del loader
         ds.close()
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
