@@ -168,6 +168,7 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
                     raise
                 left = ds._loop_leftover()
                 if left is not None:  # fetched here, acknowledged already
+                    _no_step_to_replay(self)
                     return _pinned(self, left)
                 ds._loop_pass_ended()
                 raise
@@ -188,6 +189,17 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
     cls._next_data = _next_data
     cls._shutdown_workers = _shutdown_workers
     cls._loaderd_wrapped = True
+
+
+def _no_step_to_replay(it: Any) -> None:
+    """A ``StatefulDataLoader`` resumes by replaying the steps since its last snapshot.
+
+    A batch the main process fetched itself is none of its workers' steps (their states hold
+    its index already): counted into the snapshot, it is not replayed.
+    """
+    snapshot, key = getattr(it, "_snapshot", None), getattr(it, "_SNAPSHOT_STEP", None)
+    if isinstance(snapshot, dict) and isinstance(snapshot.get(key), int):
+        snapshot[key] += 1
 
 
 def _pinned(it: Any, batch: Any) -> Any:

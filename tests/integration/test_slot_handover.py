@@ -13,6 +13,7 @@ import pickle
 import signal
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -125,24 +126,38 @@ def test_a_loop_that_breaks_leaves_no_slot_behind(
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
 
 
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kind", ["fresh", "persistent", "stateful"])
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's own
 def test_batches_the_loop_cannot_map_after_the_workers_ended_are_fetched_by_the_loop(
-    dataset: Dataset, tmp_path: Path, persistent: bool
+    dataset: Dataset, tmp_path: Path, kind: str
 ) -> None:
     """A worker ends its pass while its batches still wait in the DataLoader's queue.
 
     The daemon that lent their ring dies, and its successor removes the ring before the loop's
-    process has mapped it: no worker is left to fetch them again, so that process does.
+    process has mapped it: no worker is left to fetch them again, so that process does. A
+    ``StatefulDataLoader``'s checkpoint taken then resumes at the next epoch, whole.
     """
+    loader_type: Any = DataLoader
+    if kind == "stateful":
+        loader_type = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
     db, arrays = dataset
     d = Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "16"]).start()
-    try:
+
+    def dataset_and_loader() -> tuple[LoaderdDataset, Any]:
         ds = LoaderdDataset(
             d.address, job="gone", batch_size=N_SAMPLES // 3, prefetch=1, reconnect_s=30
         )
-        loader = DataLoader(
-            ds, batch_size=None, num_workers=1, prefetch_factor=4, persistent_workers=persistent
+        loader = loader_type(
+            ds,
+            batch_size=None,
+            num_workers=1,
+            prefetch_factor=4,
+            persistent_workers=kind == "persistent",
         )
+        return ds, loader
+
+    try:
+        ds, loader = dataset_and_loader()
         it = iter(loader)
         # Three batches and the worker's end of its pass, all waiting for the loop.
         wait_until(lambda: it._data_queue.qsize() == 4, what="the worker's whole pass queued")
@@ -151,10 +166,16 @@ def test_batches_the_loop_cannot_map_after_the_workers_ended_are_fetched_by_the_
         ids = [i for batch in it for i in check(batch, arrays)]
         assert sorted(ids) == list(range(N_SAMPLES))
         assert ds.delivery.lost == 3
+        if kind == "stateful":
+            state = loader.state_dict()
+            del it, loader
+            ds.close()
+            ds, loader = dataset_and_loader()
+            loader.load_state_dict(state)
         for _ in range(2):  # the next epochs as usual
             ids = [i for batch in loader for i in check(batch, arrays)]
             assert sorted(ids) == list(range(N_SAMPLES))
-        assert ds.delivery.lost == 3
+        assert ds.delivery.lost == (0 if kind == "stateful" else 3)
         del loader
         ds.close()
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
