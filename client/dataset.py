@@ -434,6 +434,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         ``worker_states`` are the workers' ``state_dict``s a ``StatefulDataLoader`` resumes
         from: together they hold what the loop had received.
         """
+        self._stop_leftovers()
         self._acks_in_main = True
         self._loop_pid = os.getpid()
         states = [check_state(w) for w in worker_states if w is not None]
@@ -568,11 +569,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         a loop without workers does. None when nothing is left.
         """
         if self._leftovers is None:
-            progress = self._progress.get("train")
-            lost, self._lost_here = self._lost_here, set()
-            if progress is None or all(
-                e != progress.epoch or i in progress.delivered for e, i in lost
-            ):
+            if self._lost_pending() is None:
                 return None
             self._confirm_loop_acks()  # the daemon has them back in the queue
             self._leftovers = iter(self)
@@ -581,6 +578,23 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         except StopIteration:
             self._leftovers = None
             return None
+
+    def _lost_pending(self) -> tuple[int, set[int]] | None:
+        """(epoch, indices) of the batches lost on their way that the loop has not had since.
+
+        Their workers handed them on, so a ``StatefulDataLoader``'s checkpoint, made of the
+        workers' states, would count them delivered (``loop_acks.install`` takes them out).
+        """
+        progress = self._progress.get("train")
+        pending = {
+            i
+            for e, i in self._lost_here
+            if progress is not None and e == progress.epoch and i not in progress.delivered
+        }
+        if not pending or progress is None or progress.epoch is None:
+            self._lost_here.clear()
+            return None
+        return progress.epoch, pending
 
     def _loop_pass_ended(self) -> None:
         """Every worker finished its pass and the loop received all they sent."""
@@ -886,8 +900,15 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
                 logger.info("could not give loaderd back the slots of an ended pass: %s", e)
                 return
 
+    def _stop_leftovers(self) -> None:
+        """Stop the loop's own fetch of lost batches (its iterator was left mid-way)."""
+        if self._leftovers is not None:
+            leftovers, self._leftovers = self._leftovers, None
+            getattr(leftovers, "close", lambda: None)()  # its slots go back with _late's
+
     def close(self) -> None:
         """Flush feedback and acknowledgements, close this process's socket (safe twice)."""
+        self._stop_leftovers()
         if self._hello_pid == os.getpid():
             self._return_slots()
             self.flush()

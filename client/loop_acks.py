@@ -25,6 +25,7 @@ loaderd's.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import importlib.util
@@ -113,10 +114,7 @@ def _dataset(it: Any) -> Any:
 def install() -> None:
     """Wrap the multi-process DataLoader iterators once (idempotent).
 
-    PyTorch's, and torchdata's ``StatefulDataLoader`` one when torchdata is installed: its
-    checkpoint holds each worker's dataset state as of the worker's last batch the loop
-    received, so the union of those states is exactly what the loop received, and the main
-    process rewinds the rank to it once before the workers start.
+    PyTorch's, and torchdata's ``StatefulDataLoader`` one when torchdata is installed.
     """
     _wrap(dataloader._MultiProcessingDataLoaderIter, lambda args, kwargs: [])
     if importlib.util.find_spec("torchdata") is None:
@@ -125,16 +123,50 @@ def install() -> None:
         sdl: Any = importlib.import_module("torchdata.stateful_dataloader.stateful_dataloader")
     except ImportError:  # an old torchdata without the stateful loader
         return
+    if not sdl._StatefulMultiProcessingDataLoaderIter.__dict__.get("_loaderd_wrapped", False):
+        _wrap_stateful(sdl)
+
+
+def _wrap_stateful(sdl: Any) -> None:
+    """``StatefulDataLoader``'s iterator: its checkpoint is its workers' dataset states.
+
+    Each holds what its worker had handed on as of the worker's last batch the loop received,
+    so their union is what the loop received, and the main process rewinds the rank to it once
+    before the workers start. A batch a worker handed on and the loop lost on the way (its
+    ring gone) is taken out of them until the loop has it again.
+    """
     it_cls: Any = sdl._StatefulMultiProcessingDataLoaderIter
+
+    def workers_of(state: dict[str, Any]) -> dict[str, Any]:
+        return dict(state.get(it_cls._SNAPSHOT, {}).get(it_cls._WORKER_SNAPSHOTS, {}))
 
     def worker_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         state = args[0] if args else kwargs.get("next_iter_state")
         if not isinstance(state, dict):
             return []
-        workers = state.get(it_cls._SNAPSHOT, {}).get(it_cls._WORKER_SNAPSHOTS, {})
-        return [w.get(sdl._DATASET_STATE) for w in workers.values() if isinstance(w, dict)]
+        workers = workers_of(state).values()
+        return [w.get(sdl._DATASET_STATE) for w in workers if isinstance(w, dict)]
 
     _wrap(it_cls, worker_states)
+    snapshot_state: Callable[[Any], dict[str, Any]] = it_cls.state_dict
+
+    @functools.wraps(snapshot_state)
+    def state_dict(self: Any) -> dict[str, Any]:
+        state = snapshot_state(self)
+        ds = _dataset(self)
+        pending = ds._lost_pending() if ds is not None else None
+        if pending is None:
+            return state
+        epoch, lost = pending
+        state = copy.deepcopy(state)  # the iterator's own snapshot stays as it is
+        for w in workers_of(state).values():
+            part = w.get(sdl._DATASET_STATE) if isinstance(w, dict) else None
+            train = part.get("progress", {}).get("train") if isinstance(part, dict) else None
+            if isinstance(train, dict) and train.get("epoch") == epoch:
+                train["delivered"] = [i for i in train.get("delivered", []) if i not in lost]
+        return state
+
+    it_cls.state_dict = state_dict
 
 
 def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], list[Any]]) -> None:
