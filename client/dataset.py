@@ -244,9 +244,10 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         """
         return on_device(self._pass("rescore"), self.device, self.buffers, self._shm)
 
-    def _pass(self, phase: str) -> Iterator[dict[str, Any]]:
+    def _pass(self, phase: str, worker: int | None = None) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        worker = self.worker if self.worker is not None else info.id if info is not None else 0
+        if worker is None:
+            worker = self.worker if self.worker is not None else info.id if info is not None else 0
         # Who acknowledges: the loop's own process, just before it yields; in a DataLoader
         # worker, the main process once the loop receives the batch (client/loop_acks.py).
         acks_here = info is None or not self._acks_in_main
@@ -560,19 +561,22 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._confirm_loop_acks(keep=self._loop_acks.limit)
         return True
 
-    def _loop_leftover(self) -> Any | None:
+    def _loop_leftover(self, worker: int) -> Any | None:
         """Once the workers ended their pass: the next batch the loop lost on their way.
 
         A handed batch whose bytes were gone (its daemon died and the successor removed its
         ring) went back to the rank's queue, but the workers may all have had their END
         already. Then this process fetches what is left of the pass itself, acknowledging as
-        a loop without workers does. None when nothing is left.
+        a loop without workers does, as consumer ``worker`` (one no DataLoader worker is).
+        None when nothing is left.
         """
         if self._leftovers is None:
             if self._lost_pending() is None:
                 return None
             self._confirm_loop_acks()  # the daemon has them back in the queue
-            self._leftovers = iter(self)
+            self._leftovers = on_device(
+                self._pass("train", worker), self.device, self.buffers, self._shm
+            )
         try:
             return next(self._leftovers)
         except StopIteration:

@@ -198,7 +198,7 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
             except StopIteration:
                 if ds is None:
                     raise
-                left = ds._loop_leftover()
+                left = ds._loop_leftover(getattr(self, "_num_workers", 0))
                 if left is not None:  # fetched here, acknowledged already
                     _no_step_to_replay(self)
                     return _pinned(self, left)
