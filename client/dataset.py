@@ -590,13 +590,12 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         workers' states, would count them delivered (``loop_acks.install`` takes them out).
         """
         progress = self._progress.get("train")
-        pending = {
-            i
-            for e, i in self._lost_here
-            if progress is not None and e == progress.epoch and i not in progress.delivered
-        }
-        if not pending or progress is None or progress.epoch is None:
+        if progress is None or progress.epoch is None:
             self._lost_here.clear()
+            return None
+        pending = {i for e, i in self._lost_here if e == progress.epoch} - progress.delivered
+        if not pending:
+            self._lost_here.clear()  # had again, or of an epoch the loop left
             return None
         return progress.epoch, pending
 
