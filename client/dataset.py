@@ -36,28 +36,19 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from loaderd.client.address import check_address, default_address
 from loaderd.client.columns import check_lists, to_torch
-from loaderd.client.connection import Connection
 from loaderd.client.errors import DaemonUnavailableError, RemoteError
-from loaderd.client.fastpath import ShmReceiver, check_device, on_device, to_shared_tensors
+from loaderd.client.fastpath import check_device, on_device, to_shared_tensors
 from loaderd.client.loop_acks import BatchTag, TaggedBatch, TaggedValue, install
-from loaderd.client.losses import LossBatcher
-from loaderd.client.protocol import (
-    PROTOCOL_VERSION,
-    BatchArrays,
-    FieldSpec,
-    MsgType,
-    decode_batch,
-    feedback_frames,
-)
+from loaderd.client.protocol import BatchArrays, MsgType, decode_batch
 from loaderd.client.resume import (
     STATE_VERSION,
     Deadline,
-    DeliveryStats,
     PassProgress,
     check_state,
     merge_worker_states,
     recoverable,
 )
+from loaderd.client.session import Session
 from loaderd.client.slot_handover import held as handed_held
 from loaderd.client.slot_handover import in_use as handing_in_use
 from loaderd.client.slot_handover import slot_ref, take_returned
@@ -66,8 +57,6 @@ from loaderd.client.unconfirmed import Unconfirmed
 logger = logging.getLogger(__name__)
 install()  # the main process acknowledges what the training loop received
 
-_MAX_FEEDBACK_IN_FLIGHT = 64
-_MAX_LOOP_ACKS_IN_FLIGHT = 64  # the main process's acknowledgements for DataLoader workers
 # How often the loop's process says which handed slots it holds (client/slot_handover.py):
 # slots that workers which moved on left it come back within about this long. Longer than
 # the daemon's tick (0.5 s), in which it finds a DataLoader's old workers gone.
@@ -81,7 +70,7 @@ def default_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-class LoaderdDataset(IterableDataset[dict[str, Any]]):
+class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
     """Batches of a loaderd job, streamed from the daemon at ``address``.
 
     Args:
@@ -157,48 +146,43 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         drop_last: bool = False,
         **options: Any,
     ) -> None:
-        super().__init__()
         default_rank, default_world = default_rank_world()
-        self.address = check_address(default_address() if address is None else address)
-        self.job = job
-        self.batch_size = batch_size
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_world if world_size is None else world_size
-        self.seed = seed
+        rank = default_rank if rank is None else rank
+        world_size = default_world if world_size is None else world_size
         if sampler is not None:
             options["sampler"] = sampler
-        self.options = options
         if prefetch < 1:
             raise ValueError(f"`prefetch` must be >= 1, got {prefetch}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"`rank` {self.rank} is outside [0, world_size={self.world_size})")
-        self.prefetch = prefetch
+        if not 0 <= rank < world_size:
+            raise ValueError(f"`rank` {rank} is outside [0, world_size={world_size})")
         if worker is not None and worker < 0:
             raise ValueError(f"`worker` must be >= 0, got {worker}")
+        if not isinstance(drop_last, bool):
+            raise ValueError(f"`drop_last` must be a bool, got {drop_last!r}")
+        super().__init__(
+            check_address(default_address() if address is None else address),
+            job,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            drop_last=drop_last,
+            options=options,
+            timeout_s=timeout_s,
+            reconnect_s=reconnect_s,
+            curve_dir=curve_dir,
+            shm=shm,
+        )
+        self.prefetch = prefetch
         self.worker = worker
         self.transform = transform
         self.lists = check_lists(lists)
-        if not isinstance(drop_last, bool):
-            raise ValueError(f"`drop_last` must be a bool, got {drop_last!r}")
-        self.drop_last = drop_last
-        self._conn = Connection(self.address, timeout_s, curve_dir)
-        # Fast path (client/fastpath.py): shared memory for same-host daemons, device copies.
-        self._shm = ShmReceiver(shm and self.address.startswith("ipc://"))
         self.device = check_device(device, buffers)
         self.buffers = buffers
-        self._hello_pid = -1
-        self._instance: str | None = None  # the daemon's run that last WELCOMEd this process
-        self._schema: list[FieldSpec] = []
-        self._losses = LossBatcher()  # feedback not sent yet (client/losses.py)
-        self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)  # sent, OK not yet read
-        self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)  # the same, when workers fetch
-        self.reconnect_s = reconnect_s
         self._progress: dict[str, PassProgress] = {}
         # Ended passes' slots the trainer dropped after their last request: close() gives
         # them back (a new pass's OPEN_PASS takes every slot back by itself).
         self._late: deque[tuple[dict[str, Any], deque[int]]] = deque(maxlen=4)
-        self.delivery = DeliveryStats()
-        self._welcomed = False  # reached the daemon once (here or in a parent process)
         self._phase = "train"
         self.epoch: int | None = None  # the epoch of the last pass this process iterated
         self._acks_in_main = False  # set for workers whose main process acknowledges
@@ -478,6 +462,9 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
             and get_worker_info() is not None
         )
 
+    def _handover_pid(self) -> int | None:
+        return self._loop_pid if self._hands_over() else None
+
     def _slots_back(self, meta: dict[str, Any], held: bool | None = None) -> dict[str, Any]:
         """``meta`` with the handed slots whose batches the loop dropped (slot_handover.py).
 
@@ -607,40 +594,6 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         self._return_slots()
         self.flush()
 
-    def _confirm_loop_acks(self, keep: int = 0) -> None:
-        """Wait until at most ``keep`` of the main process's acknowledgements are unconfirmed.
-
-        While the daemon restarts (up to ``reconnect_s``) they go again: all of them on a
-        fresh socket when it went away, one by one while the workers reopen their pass at a
-        daemon that does not know it yet. Only this process knows what the loop received.
-
-        Raises:
-            RemoteError: the daemon refused an acknowledgement.
-            DaemonUnavailableError: the daemon did not come back within ``reconnect_s``.
-        """
-        deadline: Deadline | None = None
-
-        def again(e: RemoteError) -> bool:
-            nonlocal deadline
-            if not recoverable(e) or self.reconnect_s <= 0:
-                return False
-            deadline = deadline or Deadline(self.reconnect_s)
-            if deadline.passed():
-                return False
-            time.sleep(0.05)  # the workers are reopening the pass
-            return True
-
-        while len(self._loop_acks) > keep:
-            try:
-                self._loop_acks.confirm_oldest(self._conn, again)
-            except DaemonUnavailableError:
-                if self.reconnect_s <= 0 or not self._welcomed:
-                    raise
-                deadline = deadline or Deadline(self.reconnect_s)
-                if deadline.passed():
-                    raise
-                self._hello_retrying(again=True)  # sends every unconfirmed request again
-
     def state_dict(self) -> dict[str, Any]:
         """The position of the training loop in its passes, for a trainer's checkpoint.
 
@@ -705,14 +658,6 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         to_torch(arrays, self._schema, self.lists, into)
         return into
 
-    @property
-    def fields(self) -> dict[str, FieldSpec]:
-        """The store's fields by name, known once the daemon was reached (``connect()``).
-
-        Each has its kind, dtype and shape; ``info`` holds e.g. a dictionary's values.
-        """
-        return {f.name: f for f in self._schema}
-
     # --- feedback -----------------------------------------------------------------------------
 
     def feedback(self, ids: Any, losses: Any, kind: str | None = None) -> None:
@@ -734,156 +679,7 @@ class LoaderdDataset(IterableDataset[dict[str, Any]]):
         if self._losses.due():
             self._send_losses()
 
-    def _send_losses(self) -> None:
-        """Send the losses kept (``client/losses.py``) as one FEEDBACK, if any."""
-        if not len(self._losses):
-            return
-        kind, ids, losses = self._losses.take()
-        meta = {"job": self.job, "kind": kind}
-        self._feedback.send(self._conn, MsgType.FEEDBACK, meta, feedback_frames(ids, losses))
-        while self._feedback.over_limit():
-            self._wait_feedback()  # bounded memory, and errors surface
-
-    def _wait_feedback(self) -> None:
-        """Wait for the oldest feedback; if the daemon went away, send it all again.
-
-        Feedback is at-least-once: what a crashed daemon had journalled but not confirmed is
-        recorded twice, which only adds one more loss sample to the importance history.
-        """
-        try:
-            self._feedback.confirm_oldest(self._conn)  # refused: raised, not sent again
-        except DaemonUnavailableError:
-            if self.reconnect_s <= 0:
-                raise
-            self._hello_retrying(again=True)
-
-    def _hello_retrying(self, again: bool = False) -> None:
-        """HELLO, reconnecting for up to ``reconnect_s`` while the daemon is away."""
-        if not again:
-            try:
-                self._hello()
-                return
-            except DaemonUnavailableError:
-                if self.reconnect_s <= 0 or not self._welcomed:
-                    raise
-        deadline = Deadline(self.reconnect_s)
-        while True:
-            try:
-                self._rehello()
-                break
-            except DaemonUnavailableError:
-                if deadline.passed():
-                    raise
-        self.delivery.reconnects += 1
-
-    def _hello_again(self) -> None:
-        """HELLO to a daemon that restarted while requests of this pass kept reaching it.
-
-        ZeroMQ reconnects by itself and delivers the requests still queued, so a restarted
-        daemon (its state journaled) can go on serving a pass without this process having
-        said HELLO to it: it would know neither the process (to give back its batches if it
-        dies) nor that it takes shared memory, and every later batch would come over the
-        socket. The reply in hand stays valid; the next ones follow the new WELCOME.
-        """
-        logger.info("loaderd at %s restarted; saying HELLO to it", self.address)
-        self._hello_pid = -1
-        self._hello()
-
-    def _rehello(self) -> None:
-        """A fresh socket and HELLO, then every unconfirmed feedback sent again."""
-        self._conn.reset()  # replies to the old socket are lost: their requests go again
-        self._hello_pid = -1
-        self._hello()
-        self._feedback.resend(self._conn)
-        self._loop_acks.resend(self._conn)
-
-    def flush(self) -> None:
-        """Wait until the daemon has recorded every feedback (and acknowledgement) sent so far.
-
-        Raises:
-            RemoteError: the daemon refused some feedback (e.g. an id out of range) or an
-                acknowledgement.
-        """
-        self._send_losses()
-        self._confirm_loop_acks()
-        while self._feedback:
-            self._wait_feedback()
-
     # --- the rest -----------------------------------------------------------------------------
-
-    def _hello(self) -> None:
-        if self._hello_pid == os.getpid():
-            return
-        if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
-            self._losses.drop()
-            self._feedback.drop()
-            self._loop_acks.drop()
-        meta = {
-            "job": self.job,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "drop_last": self.drop_last,
-            "options": self.options,
-            "version": PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "pidns": _pid_namespace(),  # the daemon checks the pid only inside its own
-            "shm": self._shm.wanted,
-        }
-        if self._hands_over():
-            meta["handover"] = self._loop_pid  # the process the slots go to with the batches
-        reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
-        if not self._shm.accept(reply.meta):  # cannot map the ring: ask for the socket path
-            meta["shm"] = False
-            reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
-        self._schema = [FieldSpec.from_json(f) for f in reply.meta["schema"]]
-        self._instance = reply.meta.get("instance")
-        self._welcomed = True
-        self.num_samples = int(reply.meta["num_samples"])
-        self._hello_pid = os.getpid()
-
-    def save_snapshot(self, obj: Any, step: int) -> None:
-        """Send a snapshot (e.g. a ``state_dict``) to the daemon's NVRAM arena.
-
-        Returns once the daemon holds the bytes; it writes them in the background, atomically
-        (``load_snapshot`` finds the previous or the new one, never a mix).
-
-        Args:
-            obj: anything ``torch.save`` can write.
-            step: the training step it belongs to.
-
-        Raises:
-            RemoteError: the daemon refused it (no ``--nvram-dir``, or too large).
-        """
-        from loaderd.client.snapshot import send_snapshot
-
-        send_snapshot(self._conn, self.job, obj, step)
-
-    @staticmethod
-    def load_snapshot(
-        address: str, job: str, *, timeout_s: float = 30.0, weights_only: bool = True
-    ) -> Any | None:
-        """The job's newest whole snapshot from the daemon at ``address``, or None."""
-        from loaderd.client.snapshot import load_snapshot
-
-        return load_snapshot(address, job, timeout_s=timeout_s, weights_only=weights_only)
-
-    def connect(self) -> None:
-        """Say HELLO now, to check the job's parameters early.
-
-        It also lets DataLoader workers forked afterwards wait for a daemon that restarts
-        while they start (a dataset that never reached its daemon fails after ``timeout_s``).
-
-        Raises:
-            DaemonUnavailableError: no daemon answered within ``timeout_s``.
-            RemoteError: the daemon refused the job (e.g. JOB_CONFLICT).
-        """
-        self._hello()
-
-    def stats(self) -> dict[str, Any]:
-        """The daemon's statistics (the same object as ``loaderd stats --json``)."""
-        return dict(self._conn.request(MsgType.STATS, {}, expect=MsgType.STATS_REPLY).meta)
 
     def _release_late(self) -> None:
         """Give back the slots of ended passes whose batches the trainer has dropped since.
@@ -925,10 +721,3 @@ def _as_numpy(x: Any, dtype: type[np.generic]) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().to("cpu", torch.float32 if dtype is np.float32 else torch.int64).numpy()
     return np.ascontiguousarray(np.asarray(x).reshape(-1), dtype)
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
