@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loaderd.miss_workers import decode_reply, decode_task, encode_reply, encode_task
+from loaderd.miss_messages import decode_reply, decode_task, encode_reply, encode_task
 
 
 @pytest.mark.parametrize("from_map", [True, False])

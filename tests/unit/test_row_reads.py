@@ -270,7 +270,7 @@ def test_the_store_reads_rows_as_lmdb_returns_them(tmp_path: Path, source: str) 
 
 
 def test_a_worker_reads_into_rows_only_large_records_of_their_schemas_length(loop: str) -> None:
-    from loaderd.miss_workers import reads_rows
+    from loaderd.miss_worker import reads_rows
 
     big = BatchWriter(Schema((Field("image", "uint8", (70_000,)), Field("label", "int64"))))
     size = big.layout.record_bytes
@@ -310,7 +310,7 @@ def test_bytes_past_the_last_row_are_hashed_not_kept(tmp_path: Path) -> None:
 
 
 def test_fields_beyond_one_calls_pieces_are_sliced_not_read(tmp_path: Path, loop: str) -> None:
-    from loaderd.miss_workers import reads_rows
+    from loaderd.miss_worker import reads_rows
 
     wide = Schema(tuple(Field(f"f{i}", "float32", (50,)) for i in range(600)))  # 120 KB
     size = BatchWriter(wide).layout.record_bytes
