@@ -47,7 +47,7 @@ from loaderd.consumers import Consumers
 from loaderd.fair_share import Inbox
 from loaderd.importance_plot import histograms
 from loaderd.job_admin import remove_job_dir, sweep
-from loaderd.jobs import Job, JobError, JobSpec, NotReady, PassState, Resume, reset_hint
+from loaderd.jobs import Job, JobError, JobSpec, NotReady, Resume, reset_hint
 from loaderd.journal import JournalWriteError
 from loaderd.limits import check_hello, check_request_size, check_rewind
 from loaderd.loop_clock import LoopClock
@@ -55,6 +55,7 @@ from loaderd.miss_workers import Forker, MissWorkers
 from loaderd.outbox import After, Outbox
 from loaderd.outstanding import Outstanding, still_out_in
 from loaderd.parked_opens import Group, ParkedOpens
+from loaderd.pass_state import PassState
 from loaderd.prefetch import Assembler, Prefetcher
 from loaderd.readahead import ReadAhead
 from loaderd.shm_delivery import ShmDelivery

@@ -31,7 +31,8 @@ from loaderd.storage.store import SampleStore
 from loaderd.storage.tiers import TierStack
 
 if TYPE_CHECKING:
-    from loaderd.jobs import Job, PassState
+    from loaderd.jobs import Job
+    from loaderd.pass_state import PassState
     from loaderd.planner import RankPlan
 
 logger = logging.getLogger(__name__)

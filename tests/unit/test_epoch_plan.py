@@ -10,7 +10,8 @@ import pytest
 
 from loaderd.epoch_plan import NotReady
 from loaderd.importance import ImportanceConfig, ImportanceEngine
-from loaderd.jobs import Job, JobSpec, PassState
+from loaderd.jobs import Job, JobSpec
+from loaderd.pass_state import PassState
 
 N = 40
 WORLD = 2

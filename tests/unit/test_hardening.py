@@ -12,7 +12,8 @@ from loaderd import crashpoints
 from loaderd.client.curve import ClientKeys, KeyFileError
 from loaderd.client.resume import PassProgress, check_state
 from loaderd.consumers import Consumers, pid_alive
-from loaderd.jobs import JobError, JobSpec, PassState
+from loaderd.jobs import JobError, JobSpec
+from loaderd.pass_state import PassState
 from loaderd.planner import plan_pass
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from loaderd.client.errors import ErrorCode
 from loaderd.importance import ImportanceConfig
-from loaderd.jobs import Job, JobError, JobSpec, PassState
+from loaderd.jobs import Job, JobError, JobSpec
+from loaderd.pass_state import PassState
 
 N = 40
 SPEC = JobSpec("job-a", world_size=2, seed=3, batch_size=4)  # 20 samples a rank: 5 batches
