@@ -38,7 +38,7 @@ from loaderd.client.address import check_address, default_address
 from loaderd.client.columns import check_lists, to_torch
 from loaderd.client.errors import DaemonUnavailableError, RemoteError
 from loaderd.client.fastpath import check_device, on_device, to_shared_tensors
-from loaderd.client.loop_acks import BatchTag, TaggedBatch, TaggedValue, install
+from loaderd.client.loop_acks import BatchTag, HandedOver, TaggedBatch, TaggedValue, install
 from loaderd.client.protocol import BatchArrays, MsgType, decode_batch
 from loaderd.client.resume import (
     STATE_VERSION,
@@ -49,9 +49,9 @@ from loaderd.client.resume import (
     recoverable,
 )
 from loaderd.client.session import Session
+from loaderd.client.slot_handover import WorkerHold, slot_ref, take_returned
 from loaderd.client.slot_handover import held as handed_held
 from loaderd.client.slot_handover import in_use as handing_in_use
-from loaderd.client.slot_handover import slot_ref, take_returned
 from loaderd.client.unconfirmed import Unconfirmed
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,7 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         self.epoch: int | None = None  # the epoch of the last pass this process iterated
         self._acks_in_main = False  # set for workers whose main process acknowledges
         self._loop_pid: int | None = None  # that process, for workers (client/slot_handover.py)
+        self._workers_hand_over = False  # this process started workers that hand slots over
         self._held_said_at = -_HELD_EVERY_S  # when the loop's process last said what it holds
         self._lost_here: set[tuple[int, int]] = set()  # (epoch, index) of handed batches lost
         self._leftovers: Iterator[Any] | None = None  # the loop's own fetch of them
@@ -314,10 +315,14 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                         release.append(index)
                         continue
                     progress.seen.add(index)
-                    # Through shared memory the frames view a slot, kept until dropped.
-                    on_free = None if hand_over else functools.partial(freed.append, index)
+                    # Through shared memory the frames view a slot, kept until dropped; a
+                    # slot handed over is the loop's to give back, unless a transform in
+                    # this worker keeps a view of it (slot_handover.WorkerHold).
+                    give_back = functools.partial(freed.append, index)
+                    hold = WorkerHold(give_back) if hand_over and self.transform else None
+                    on_free = hold.dropped if hold else None if hand_over else give_back
                     slot = self._shm.resolve(msg, on_free)
-                    batch = self._to_torch(decode_batch(msg, self._schema), TaggedBatch())
+                    batch: Any = self._to_torch(decode_batch(msg, self._schema), TaggedBatch())
                     if slot is not None and hand_over:
                         d = msg.meta["shm"]  # checked by resolve
                         where = (d["ring"], d["slot"], d["gen"])
@@ -326,8 +331,13 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                         batch = TaggedBatch(to_shared_tensors(batch))
                     del msg  # its frames would keep the slot
                     if self.transform is not None:  # in the worker: decode scales with workers
+                        ref = batch.loaderd_slot
                         batch = self._transformed(batch, acks_here)
-                    if isinstance(batch, TaggedBatch | TaggedValue):
+                        if hold is not None and ref is not None and slot is not None:
+                            handed = HandedOver(batch, ref)
+                            del batch  # what the result viewed of the slot is packed now
+                            batch = handed.settle(hold, slot)
+                    if isinstance(batch, TaggedBatch | TaggedValue | HandedOver):
                         batch.loaderd_tag = BatchTag(phase, epoch, index, worker, batches)
                 except (DaemonUnavailableError, RemoteError) as e:
                     if not recoverable(e) or self.reconnect_s <= 0:
@@ -368,7 +378,9 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         """``transform(batch)``, in a form that carries the batch's tag to the loop's process.
 
         A dict result becomes a ``TaggedBatch``; anything else (``(x, y)``) travels from a
-        DataLoader worker as a ``TaggedValue`` that the loop's process unwraps.
+        DataLoader worker as a ``TaggedValue`` that the loop's process unwraps. Where the
+        worker hands its slots over, ``HandedOver`` packs either: what the result still views
+        of the slot crosses as a place in it, the rest as torch sends it.
         """
         assert self.transform is not None
         out = self.transform(batch)
@@ -422,6 +434,7 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         self._stop_leftovers()
         self._acks_in_main = True
         self._loop_pid = os.getpid()
+        self._workers_hand_over = self.device is None  # as _hands_over says in each worker
         states = [check_state(w) for w in worker_states if w is not None]
         if states:
             self._restore(merge_worker_states(states, self.job, self.rank))
@@ -452,12 +465,11 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
     def _hands_over(self) -> bool:
         """Whether this process is a DataLoader worker that hands its slots to the loop's.
 
-        Not with a ``transform`` or a ``device``: the batch they yield is in fresh memory.
+        Not with a ``device``: the batch it yields is in device memory.
         """
         return (
             self._acks_in_main
             and self._loop_pid is not None
-            and self.transform is None
             and self.device is None
             and get_worker_info() is not None
         )
@@ -487,8 +499,11 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         """Tell the daemon what ``_slots_back`` has to say, without waiting for its OK.
 
         Nothing is lost if it never arrives: what this process holds goes back when it exits.
+        Said also when no batch came with its slot: a worker whose transform kept a view of
+        its batch kept the slot, which the daemon leaves to this process once the worker
+        moved on.
         """
-        if not handing_in_use(self.job, self.rank):
+        if not (self._workers_hand_over or handing_in_use(self.job, self.rank)):
             return
         meta = self._slots_back(self._loop_ack_meta(self._phase, self.epoch or 0, 0, []), True)
         self._conn.ignore(self._conn.send(MsgType.ACK, meta))

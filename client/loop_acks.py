@@ -76,7 +76,7 @@ class TaggedBatch(dict[str, Any]):
 
 def _handed_batch(packed: tuple[Any, ...], tag: BatchTag | None) -> TaggedBatch:
     values, stale = slot_handover.unpack(packed)
-    out = TaggedBatch(values)
+    out = TaggedBatch(values or {})
     out.loaderd_tag = tag
     out.loaderd_stale = stale
     return out
@@ -89,19 +89,63 @@ class TaggedValue:
     the loop ``value`` alone.
     """
 
-    __slots__ = ("loaderd_tag", "value")
+    __slots__ = ("loaderd_stale", "loaderd_tag", "value")
 
     def __init__(self, value: Any) -> None:
         self.value = value
         self.loaderd_tag: BatchTag | None = None
+        self.loaderd_stale = False  # as TaggedBatch's, when it came through HandedOver
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_tagged_value, (self.value, self.loaderd_tag))
+
+    def pin_memory(self) -> TaggedValue:
+        """The value in pinned memory, still tagged (a DataLoader's pin-memory thread)."""
+        pin: Callable[..., Any] = pin_memory.pin_memory  # untyped in torch
+        out = _tagged_value(pin(self.value), self.loaderd_tag)
+        out.loaderd_stale = self.loaderd_stale
+        return out
+
+
+class HandedOver:
+    """A ``transform``'s result packed in the worker that hands its slot over, as it crosses.
+
+    Packed (``slot_handover.pack``) before the worker yields it, so that the worker holds no
+    view of the slot once its queue has the result (``slot_handover.WorkerHold``). The loop's
+    process unpickles it as the ``TaggedBatch`` or ``TaggedValue`` it was.
+    """
+
+    __slots__ = ("is_batch", "loaderd_tag", "packed")
+
+    def __init__(self, result: TaggedBatch | TaggedValue, ref: SlotRef) -> None:
+        self.is_batch = isinstance(result, TaggedBatch)
+        value = result if isinstance(result, TaggedBatch) else result.value
+        self.packed = slot_handover.pack(value, ref)
+        self.loaderd_tag: BatchTag | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_handed_batch if self.is_batch else _handed_value, (self.packed, self.loaderd_tag))
+
+    def settle(
+        self, hold: slot_handover.WorkerHold, slot: memoryview
+    ) -> HandedOver | TaggedBatch | TaggedValue:
+        """Itself when the worker views the slot no more; else the result, viewing it here."""
+        if not hold.viewed():
+            return self
+        value = slot_handover.rebuild(self.packed, hold.keep(slot))
+        return TaggedBatch(value) if self.is_batch else TaggedValue(value)
 
 
 def _tagged_value(value: Any, tag: BatchTag | None) -> TaggedValue:
     out = TaggedValue(value)
     out.loaderd_tag = tag
+    return out
+
+
+def _handed_value(packed: tuple[Any, ...], tag: BatchTag | None) -> TaggedValue:
+    value, stale = slot_handover.unpack(packed)
+    out = _tagged_value(value, tag)
+    out.loaderd_stale = stale
     return out
 
 

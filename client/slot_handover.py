@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,15 +61,27 @@ def slot_ref(job: str, rank: int, slot: SlotId, view: memoryview) -> SlotRef:
     return SlotRef(job, rank, slot, address, view.nbytes)
 
 
-def pack(batch: Mapping[str, Any], ref: SlotRef) -> tuple[Any, ...]:
-    """What crosses to the loop's process: the slot, and each value by place or by value."""
-    return ref.job, ref.rank, ref.slot, [(k, _entry(v, ref)) for k, v in batch.items()]
+def pack(value: Any, ref: SlotRef) -> tuple[Any, ...]:
+    """What crosses to the loop's process: the slot, and each tensor by place or by value.
+
+    ``value`` is a batch, or what a ``transform`` made of it: tensors inside dicts, lists
+    and tuples are found; anything else travels as pickle sends it.
+    """
+    return ref.job, ref.rank, ref.slot, _packed(value, ref)
+
+
+def _packed(v: Any, ref: SlotRef) -> tuple[Any, ...]:
+    if isinstance(v, dict):  # a batch (``TaggedBatch``) arrives as a plain dict
+        return ("dict", [(k, _packed(x, ref)) for k, x in v.items()])
+    if type(v) in (list, tuple):  # not a namedtuple: rebuilt only by its own pickle
+        return (type(v).__name__, [_packed(x, ref) for x in v])
+    return _entry(v, ref)
 
 
 def _entry(v: Any, ref: SlotRef) -> tuple[Any, ...]:
-    if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+    if _plain(v):
         offset = v.data_ptr() - ref.address
-        if v.numel() and min(v.stride()) >= 0:
+        if v.numel() and min(v.stride(), default=0) >= 0:  # a 0-dim tensor has no strides
             extent = sum((n - 1) * s for n, s in zip(v.shape, v.stride(), strict=True)) + 1
             if offset >= 0 and offset + extent * v.element_size() <= ref.nbytes:
                 return ("slot", offset, v.dtype, tuple(v.shape), tuple(v.stride()), extent)
@@ -77,6 +89,62 @@ def _entry(v: Any, ref: SlotRef) -> tuple[Any, ...]:
             raw = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             return ("bytes", raw, v.dtype, tuple(v.shape))
     return ("value", v)
+
+
+def _plain(v: Any) -> bool:
+    """A tensor this module may send by place or by value: anything else goes as torch sends it.
+
+    Not a subclass (torchvision's ``tv_tensors``), a sparse or quantized tensor, or one that
+    requires grad: rebuilt here, they would lose what makes them so.
+    """
+    return (
+        type(v) is torch.Tensor
+        and v.device.type == "cpu"
+        and v.layout == torch.strided
+        and not v.is_quantized
+        and not v.requires_grad
+    )
+
+
+class WorkerHold:
+    """A worker's own views of a slot whose batch a ``transform`` turned into its result.
+
+    The slot goes to the loop's process with the result, and comes back to the daemon once
+    the loop drops it: the worker must not view it after that. A transform may keep a view of
+    the batch it was given (a tensor stored for its next call), and would then read what the
+    daemon wrote there since. So the worker packs the result before it yields it, drops it,
+    and looks whether any view of its own is left: if one is, the slot stays the worker's
+    (``keep``) until the last dies (``release``: the worker's next request gives it back),
+    and the result crosses as torch sends any worker's batch.
+    """
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release = release
+        self._lock = threading.Lock()
+        self._live = 1  # the batch's frames (``slot_lifetime.hold_slot`` calls ``dropped``)
+        self._kept = False
+
+    def dropped(self) -> None:
+        """One anchor of the worker's views died (a finalizer, on any thread)."""
+        with self._lock:
+            self._live -= 1
+            release = self._kept and self._live == 0
+        if release:
+            self._release()
+
+    def viewed(self) -> bool:
+        """Whether the worker views the slot still."""
+        with self._lock:
+            return self._live > 0
+
+    def keep(self, slot: memoryview) -> np.ndarray:
+        """Keep the slot here: an anchor to view it through, counted as the frames are."""
+        anchor = np.frombuffer(slot, np.uint8)
+        with self._lock:
+            self._live += 1
+            self._kept = True
+        weakref.finalize(anchor, self.dropped)
+        return anchor
 
 
 class _Handed:
@@ -117,8 +185,8 @@ def in_use(job: str, rank: int) -> bool:
     return state is not None and state.pid == current_pid() and (job, rank) in state.ranks
 
 
-def unpack(packed: tuple[Any, ...]) -> tuple[dict[str, Any], bool]:
-    """The batch a worker packed, viewing its slot here; and whether it came ``stale``.
+def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:
+    """What a worker packed, its tensors viewing the slot here; and whether it came ``stale``.
 
     Raises:
         ShmError: the ring is there but cannot be mapped.
@@ -128,18 +196,28 @@ def unpack(packed: tuple[Any, ...]) -> tuple[dict[str, Any], bool]:
     try:
         view = state.receiver.slot(*slot)
     except (ProtocolError, RingGone):
-        return {}, True  # lent again, or its daemon is gone: the batch comes anew
+        return None, True  # lent again, or its daemon is gone: the batch comes anew
     anchor = np.frombuffer(view, np.uint8)
     key = (job, rank, slot)
     with state.lock:
         state.held[key] += 1
         state.ranks.add((job, rank))
-    weakref.finalize(anchor, state.dropped, key)
-    return {k: _value(e, anchor) for k, e in entries}, False
+    weakref.finalize(anchor, state.dropped, key)  # at once when no tensor views the slot
+    return _value(entries, anchor), False
+
+
+def rebuild(packed: tuple[Any, ...], anchor: np.ndarray) -> Any:
+    """What ``pack`` packed, its tensors viewing ``anchor`` (the slot, as mapped here)."""
+    return _value(packed[3], anchor)
 
 
 def _value(entry: tuple[Any, ...], anchor: np.ndarray) -> Any:
     kind = entry[0]
+    if kind == "dict":
+        return {k: _value(e, anchor) for k, e in entry[1]}
+    if kind in ("list", "tuple"):
+        items = [_value(e, anchor) for e in entry[1]]
+        return items if kind == "list" else tuple(items)
     if kind == "slot":
         _, offset, dtype, shape, stride, extent = entry
         flat = torch.frombuffer(anchor, dtype=dtype, count=extent, offset=offset)
