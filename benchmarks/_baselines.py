@@ -196,7 +196,7 @@ def sequential_bound(db: Path) -> tuple[float, float]:
 class LmdbMapDataset:
     """The usual recipe: env opened lazily per worker, frombuffer + clone, default collate."""
 
-    def __init__(self, db: Path) -> None:
+    def __init__(self, db: Path, transform: Callable[[dict[str, Any]], Any] | None = None) -> None:
         from loaderd.storage.store import SampleStore
 
         with SampleStore(db) as s:
@@ -205,6 +205,7 @@ class LmdbMapDataset:
                 (f.name, f.dtype, f.shape, f.offset, f.nbytes) for f in s.schema.layout.fixed
             ]
         self.db = db
+        self.transform = transform  # per sample, in the worker
         self.env: Any = None
         self.txn: Any = None
 
@@ -224,7 +225,7 @@ class LmdbMapDataset:
         for name, dtype, shape, off, nbytes in self.fields:
             t = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes, offset=off).clone()
             out[name] = t.view(getattr(torch, dtype)).reshape(shape)
-        return out
+        return out if self.transform is None else self.transform(out)
 
     def close(self) -> None:
         if self.env is not None:
@@ -234,7 +235,7 @@ class LmdbMapDataset:
 
 
 def epochs_of(
-    loader: Any, epochs: int, key: str, after_first: Callable[[], object] | None = None
+    loader: Any, epochs: int, key: str | int, after_first: Callable[[], object] | None = None
 ) -> list[float]:
     """Samples/s of each epoch, timed from its first batch (worker start-up is not counted).
 
@@ -253,8 +254,17 @@ def epochs_of(
     return rates
 
 
-def dataloader(db: Path, workers: int, epochs: int, cold: bool) -> dict[str, float]:
-    """{"cold": first epoch after eviction (if ``cold``), "warm": best later epoch}."""
+def dataloader(
+    db: Path,
+    workers: int,
+    epochs: int,
+    cold: bool,
+    transform: Callable[[dict[str, Any]], Any] | None = None,
+) -> dict[str, float]:
+    """{"cold": first epoch after eviction (if ``cold``), "warm": best later epoch}.
+
+    ``transform``: applied to each sample in the worker, before the default collate.
+    """
     from torch.utils.data import DataLoader
 
     if cold:
@@ -262,7 +272,7 @@ def dataloader(db: Path, workers: int, epochs: int, cold: bool) -> dict[str, flo
         left = resident([db / "data.mdb"])
         if left > 0.05:
             warnings.warn(f"{left:.0%} of the store is still in the page cache", stacklevel=1)
-    ds = LmdbMapDataset(db)
+    ds = LmdbMapDataset(db, transform)
     with warnings.catch_warnings(), ExitStack() as warm_rows:
         warnings.filterwarnings("ignore", "The given buffer is not writable")
         loader = DataLoader(
