@@ -58,6 +58,7 @@ SETUPS = [
     ("2 workers, handed over", 2, False, "none"),
     ("2 persistent workers, handed over", 2, True, "none"),
     ("2 workers, a transform returning views", 2, False, "views"),
+    ("0 workers, a transform making floats", 0, False, "scaled"),
     ("2 workers, a transform making floats", 2, False, "scaled"),
 ]
 
