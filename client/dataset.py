@@ -272,6 +272,7 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         self._late.clear()  # the OPEN_PASS above took their slots back
         release: list[int] = []  # shared-memory slots this process no longer reads
         freed: deque[int] = deque()  # filled as the trainer drops batches (slot_lifetime.py)
+        kept_back: deque[list[Any]] = deque()  # the same, for slots a transform kept here
         in_flight: deque[int] = deque()
         # The loop's acknowledgements once no GET_BATCH is due to carry them (module doc).
         acks = Unconfirmed(self.prefetch)
@@ -288,6 +289,8 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                         release.append(freed.popleft())
                     while not ended and len(in_flight) < window:
                         meta = {**request, "acks": [], "release": release}
+                        if kept_back:  # slots a transform kept, by id (slot_handover.py)
+                            meta["returned"] = [kept_back.popleft() for _ in range(len(kept_back))]
                         in_flight.append(self._conn.send(MsgType.GET_BATCH, meta))
                         release = []
                     if not in_flight:
@@ -318,8 +321,12 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                     # Through shared memory the frames view a slot, kept until dropped; a
                     # slot handed over is the loop's to give back, unless a transform in
                     # this worker keeps a view of it (slot_handover.WorkerHold).
+                    hold = None
+                    if hand_over and self.transform is not None and "shm" in msg.meta:
+                        d = msg.meta["shm"]  # checked by resolve below, before it is used
+                        sid = [d.get("ring"), d.get("slot"), d.get("gen")]
+                        hold = WorkerHold(functools.partial(kept_back.append, sid))
                     give_back = functools.partial(freed.append, index)
-                    hold = WorkerHold(give_back) if hand_over and self.transform else None
                     on_free = hold.dropped if hold else None if hand_over else give_back
                     slot = self._shm.resolve(msg, on_free)
                     batch: Any = self._to_torch(decode_batch(msg, self._schema), TaggedBatch())

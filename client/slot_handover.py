@@ -114,8 +114,8 @@ class WorkerHold:
     the batch it was given (a tensor stored for its next call), and would then read what the
     daemon wrote there since. So the worker packs the result before it yields it, drops it,
     and looks whether any view of its own is left: if one is, the slot stays the worker's
-    (``keep``) until the last dies (``release``: the worker's next request gives it back),
-    and the result crosses as torch sends any worker's batch.
+    (``keep``) until the last dies (``release``: the worker's next request gives it back by
+    its ring, slot and generation), and the result crosses as torch sends any worker's batch.
     """
 
     def __init__(self, release: Callable[[], None]) -> None:

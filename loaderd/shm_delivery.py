@@ -31,7 +31,9 @@ lives: the loop may hold any batch the worker yielded. Those it had when it move
 ``_loops`` for the loop's process to give each back (``"returned"``: ring, slot and
 generation, so a slot lent again since is never touched), to say it holds none of the rest
 (``"handed_held"``, about once a second and when its DataLoader's workers exit; the daemon
-first looks whether they are gone), or to die.
+first looks whether they are gone), or to die. A worker whose ``transform`` kept a view of its
+batch keeps that slot and gives it back itself, by the same ``"returned"``: by index, a batch
+delivered to it again after a daemon restart would name the wrong slot.
 
 A consumer's entry goes when its process is found dead, or when its connection closed
 (``loaderd.connections`` tells ``loaderd.consumers``) and it holds no slot, so short-lived
@@ -482,7 +484,13 @@ class ShmDelivery:
         if pid is None:
             return  # nothing is handed to a process the daemon cannot check
         loop = self._loops.get(pid, {})
-        workers = [c for c in self._consumers.values() if c.loop == pid and c.held]
+        # The loop's process gives back what its workers handed it; a worker, a slot it kept
+        # (a transform viewed it): its own, under any socket of its process.
+        workers = [
+            c
+            for ident, c in self._consumers.items()
+            if c.held and pid in (c.loop, self._liveness.pid(ident))
+        ]
         for sid in back:
             lease = loop.pop(sid, (None, None))[1]
             for c in workers if lease is None else []:

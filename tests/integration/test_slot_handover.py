@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import subprocess
 import textwrap
 from collections import deque
 from pathlib import Path
@@ -316,6 +317,33 @@ def test_a_malformed_return_is_refused_and_the_daemon_stays_up(daemon: Daemon) -
             conn.request(MsgType.ACK, {**ack, "returned": [["r", -1, 0]]}, expect=MsgType.OK)
         conn.request(MsgType.ACK, {**ack, "returned": [["r", 1, 0]]}, expect=MsgType.OK)
     assert daemon_shm(daemon.address)["returned"] == 0, "a slot never handed over is not taken"
+
+
+def test_a_worker_gives_back_a_slot_it_kept_by_its_id_not_its_batch(daemon: Daemon) -> None:
+    """Its own slot, named by ring, slot and generation: one lent again since is never taken.
+
+    By batch index, a worker whose transform kept a batch that the daemon, restarted, then sent
+    it again gave back the new batch's slot under the loop (seen: a kept batch rewritten).
+    """
+    loop = subprocess.Popen(["sleep", "60"])  # the loop's process, alive
+    try:
+        with Connection(daemon.address) as conn:
+            hello = {"job": "kept", "rank": 0, "world_size": 1, "seed": 0, "batch_size": 16}
+            hello |= {"options": {}, "pid": os.getpid(), "pidns": os.readlink("/proc/self/ns/pid")}
+            hello |= {"shm": True, "handover": loop.pid}
+            conn.request(MsgType.HELLO, hello, expect=MsgType.WELCOME)
+            head = {"job": "kept", "rank": 0, "worker": 0, "phase": "train"}
+            conn.request(MsgType.OPEN_PASS, head, expect=MsgType.PASS)
+            get = {**head, "epoch": 0, "acks": [], "release": []}
+            d = conn.request(MsgType.GET_BATCH, get, expect=MsgType.BATCH).meta["shm"]
+            ack = {**head, "epoch": 0, "acks": []}
+            conn.request(MsgType.ACK, {**ack, "returned": [[d["ring"], d["slot"], d["gen"] + 1]]})
+            assert daemon_shm(daemon.address)["returned"] == 0, "another lending of the slot"
+            conn.request(MsgType.ACK, {**ack, "returned": [[d["ring"], d["slot"], d["gen"]]]})
+            assert daemon_shm(daemon.address)["returned"] == 1
+    finally:
+        loop.kill()
+        loop.wait()
 
 
 def test_a_packed_batch_views_the_same_bytes_until_its_slot_is_lent_again() -> None:
