@@ -336,6 +336,7 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                         batch.loaderd_slot = slot_ref(self.job, self.rank, where, slot)
                     elif slot is not None and info is not None:  # pickled later: copy now
                         batch = TaggedBatch(to_shared_tensors(batch))
+                    instance = msg.meta.get("instance")
                     del msg  # its frames would keep the slot
                     if self.transform is not None:  # in the worker: decode scales with workers
                         ref = batch.loaderd_slot
@@ -345,7 +346,8 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                             del batch  # what the result viewed of the slot is packed now
                             batch = handed.settle(hold, slot)
                     if isinstance(batch, TaggedBatch | TaggedValue | HandedOver):
-                        batch.loaderd_tag = BatchTag(phase, epoch, index, worker, batches)
+                        tag = BatchTag(phase, epoch, index, worker, batches, instance)
+                        batch.loaderd_tag = tag
                 except (DaemonUnavailableError, RemoteError) as e:
                     if not recoverable(e) or self.reconnect_s <= 0:
                         raise
@@ -541,6 +543,7 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                 "it cannot be acknowledged: use batch_size=None and no collate_fn (batches "
                 "arrive ready-made)"
             )
+        self._met(tag.instance)
         progress = self._progress.setdefault(tag.phase, PassProgress(tag.phase))
         if progress.epoch is not None and tag.epoch < progress.epoch:
             self.delivery.duplicates += 1  # of a pass the loop has whole already
@@ -569,6 +572,20 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         self._loop_acks.send(self._conn, MsgType.ACK, meta)
         self._confirm_loop_acks(keep=self._loop_acks.limit)
         return True
+
+    def _met(self, instance: str | None) -> None:
+        """A worker's batch came from the daemon's run ``instance``: HELLO again if it is new.
+
+        This process's own requests may reach a restarted daemon without a HELLO (ZeroMQ
+        reconnects by itself, and nothing of this process was in flight): that daemon would
+        not know its pid, and would ignore the slots it gives back (the ring filled up, and
+        every later batch came over the socket).
+        """
+        if instance is None or instance in self._instances:
+            return
+        self._instances.add(instance)
+        if instance != self._instance:
+            self._hello_pid = -1  # the next request says HELLO first (_hello_retrying)
 
     def _loop_leftover(self, worker: int) -> Any | None:
         """Once the workers ended their pass: the next batch the loop lost on their way.

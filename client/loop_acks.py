@@ -49,6 +49,7 @@ class BatchTag:
     index: int
     worker: int
     batches: int  # in the rank's pass
+    instance: str | None = None  # the daemon's run that sent it (its WELCOME's "instance")
 
 
 class TaggedBatch(dict[str, Any]):

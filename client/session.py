@@ -70,6 +70,7 @@ class Session:
         self._shm = ShmReceiver(shm and address.startswith("ipc://"))
         self._hello_pid = -1
         self._instance: str | None = None  # the daemon's run that last WELCOMEd this process
+        self._instances: set[str] = set()  # every run that did, or that this process met
         self._schema: list[FieldSpec] = []
         self._welcomed = False  # reached the daemon once (here or in a parent process)
         self._losses = LossBatcher()  # feedback not sent yet (client/losses.py)
@@ -174,6 +175,8 @@ class Session:
             reply = self._conn.request(MsgType.HELLO, meta, expect=MsgType.WELCOME)
         self._schema = [FieldSpec.from_json(f) for f in reply.meta["schema"]]
         self._instance = reply.meta.get("instance")
+        if self._instance is not None:
+            self._instances.add(self._instance)
         self._welcomed = True
         self.num_samples = int(reply.meta["num_samples"])
         self._hello_pid = os.getpid()

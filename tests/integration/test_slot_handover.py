@@ -298,6 +298,35 @@ TRAINER = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_after_a_daemon_restart_between_epochs_handed_slots_still_come_back(
+    dataset: Dataset, tmp_path: Path, persistent: bool
+) -> None:
+    """The loop's process says HELLO to the daemon that restarted, once a batch of it arrives.
+
+    Nothing of that process was in flight at the restart, so ZeroMQ took its next requests to
+    the new daemon without a HELLO: its pid unknown there, the slots it gave back were ignored,
+    the ring filled up, and every later batch came over the socket.
+    """
+    db, arrays = dataset
+    d = Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "16"]).start()
+    try:
+        ds = LoaderdDataset(d.address, job="restart", batch_size=16, prefetch=2, reconnect_s=30)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+        assert sorted(i for b in loader for i in check(b, arrays)) == list(range(N_SAMPLES))
+        d.kill()
+        d.start()
+        for _ in range(3):
+            assert sorted(i for b in loader for i in check(b, arrays)) == list(range(N_SAMPLES))
+        s = daemon_shm(d.address)
+        per_epoch = N_SAMPLES // 16
+        assert s["socket_fallbacks"] < per_epoch and s["returned"] >= 2 * per_epoch
+        del loader
+        ds.close()
+    finally:
+        d.close()
+
+
 def test_a_killed_training_process_gives_its_slots_back(daemon: Daemon) -> None:
     with client_process(TRAINER, daemon.address, ready="holding") as proc:
         assert daemon_shm(daemon.address)["lent"] >= 6
