@@ -321,11 +321,7 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                     # Through shared memory the frames view a slot, kept until dropped; a
                     # slot handed over is the loop's to give back, unless a transform in
                     # this worker keeps a view of it (slot_handover.WorkerHold).
-                    hold = None
-                    if hand_over and self.transform is not None and "shm" in msg.meta:
-                        d = msg.meta["shm"]  # checked by resolve below, before it is used
-                        sid = [d.get("ring"), d.get("slot"), d.get("gen")]
-                        hold = WorkerHold(functools.partial(kept_back.append, sid))
+                    hold = WorkerHold(kept_back.append) if hand_over and self.transform else None
                     give_back = functools.partial(freed.append, index)
                     on_free = hold.dropped if hold else None if hand_over else give_back
                     slot = self._shm.resolve(msg, on_free)
@@ -334,6 +330,8 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                         d = msg.meta["shm"]  # checked by resolve
                         where = (d["ring"], d["slot"], d["gen"])
                         batch.loaderd_slot = slot_ref(self.job, self.rank, where, slot)
+                        if hold is not None:
+                            hold.slot_id = list(where)
                     elif slot is not None and info is not None:  # pickled later: copy now
                         batch = TaggedBatch(to_shared_tensors(batch))
                     instance = msg.meta.get("instance")

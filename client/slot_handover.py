@@ -118,19 +118,20 @@ class WorkerHold:
     its ring, slot and generation), and the result crosses as torch sends any worker's batch.
     """
 
-    def __init__(self, release: Callable[[], None]) -> None:
-        self._release = release
+    def __init__(self, release: Callable[[list[Any]], None]) -> None:
+        self._release = release  # called with the slot's [ring, slot, generation]
         self._lock = threading.Lock()
         self._live = 1  # the batch's frames (``slot_lifetime.hold_slot`` calls ``dropped``)
         self._kept = False
+        self.slot_id: list[Any] | None = None  # set once the batch came through the slot
 
     def dropped(self) -> None:
         """One anchor of the worker's views died (a finalizer, on any thread)."""
         with self._lock:
             self._live -= 1
             release = self._kept and self._live == 0
-        if release:
-            self._release()
+        if release and self.slot_id is not None:
+            self._release(self.slot_id)
 
     def viewed(self) -> bool:
         """Whether the worker views the slot still."""
