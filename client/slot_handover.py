@@ -15,6 +15,10 @@ generation) with its next acknowledgement. About once a second it also says whic
 still holds (``handed_held``): the rest of what workers that moved on left it never reached
 it (what they fetched ahead, a queue thrown away after a ``break``) and goes back too.
 
+A ``transform``'s result crosses the same way (``pack`` walks its dicts, lists and tuples):
+what still views the slot by place, what the transform made as torch sends it. A transform
+that keeps a view of its batch keeps the slot in its worker (``WorkerHold``).
+
 A batch whose slot was lent again before the loop's process unpacked it (its worker died or
 moved on first, and the daemon sent the batch anew), or whose ring is gone (its daemon was
 killed, and the one started since removed the ring; the batch was never acknowledged, so it
