@@ -321,9 +321,11 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
                     # Through shared memory the frames view a slot, kept until dropped; a
                     # slot handed over is the loop's to give back, unless a transform in
                     # this worker keeps a view of it (slot_handover.WorkerHold).
-                    hold = WorkerHold(kept_back.append) if hand_over and self.transform else None
+                    hold = None
+                    if hand_over and self.transform is not None:
+                        hold = WorkerHold(kept_back.append)
                     give_back = functools.partial(freed.append, index)
-                    on_free = hold.dropped if hold else None if hand_over else give_back
+                    on_free = hold.dropped if hold is not None else None if hand_over else give_back
                     slot = self._shm.resolve(msg, on_free)
                     batch: Any = self._to_torch(decode_batch(msg, self._schema), TaggedBatch())
                     if slot is not None and hand_over:

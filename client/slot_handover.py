@@ -71,11 +71,12 @@ def pack(value: Any, ref: SlotRef) -> tuple[Any, ...]:
     ``value`` is a batch, or what a ``transform`` made of it: tensors inside dicts, lists
     and tuples are found; anything else travels as pickle sends it.
     """
-    return ref.job, ref.rank, ref.slot, _packed(value, ref)
+    top = dict(value) if isinstance(value, dict) else value  # a TaggedBatch: a plain dict
+    return ref.job, ref.rank, ref.slot, _packed(top, ref)
 
 
 def _packed(v: Any, ref: SlotRef) -> tuple[Any, ...]:
-    if isinstance(v, dict):  # a batch (``TaggedBatch``) arrives as a plain dict
+    if type(v) is dict:  # not a subclass (OrderedDict...): rebuilt only by its own pickle
         return ("dict", [(k, _packed(x, ref)) for k, x in v.items()])
     if type(v) in (list, tuple):  # not a namedtuple: rebuilt only by its own pickle
         return (type(v).__name__, [_packed(x, ref) for x in v])
@@ -196,7 +197,7 @@ def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:
     Raises:
         ShmError: the ring is there but cannot be mapped.
     """
-    job, rank, slot, entries = packed
+    job, rank, slot, _ = packed
     state = _state()
     try:
         view = state.receiver.slot(*slot)
@@ -208,7 +209,7 @@ def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:
         state.held[key] += 1
         state.ranks.add((job, rank))
     weakref.finalize(anchor, state.dropped, key)  # at once when no tensor views the slot
-    return _value(entries, anchor), False
+    return rebuild(packed, anchor), False
 
 
 def rebuild(packed: tuple[Any, ...], anchor: np.ndarray) -> Any:

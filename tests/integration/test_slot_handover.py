@@ -13,7 +13,7 @@ import pickle
 import signal
 import subprocess
 import textwrap
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -422,6 +422,7 @@ def test_a_packed_value_keeps_its_shape_and_what_torch_would_keep() -> None:
             (
                 block[:8],
                 {"deep": [block[8:], block[3]], "big": torch.zeros(70_000, dtype=torch.uint8)},
+                OrderedDict(small=torch.arange(2)),
                 block.as_subclass(Marked),
                 grad,
                 torch.tensor(7),
@@ -430,12 +431,13 @@ def test_a_packed_value_keeps_its_shape_and_what_torch_would_keep() -> None:
         )
         value = HandedOver(result, slot_ref("j", 0, (ring.name, slot, ring.generation(slot)), view))
         back = pickle.loads(pickle.dumps(value))
-        first, nested, marked, grad_back, scalar, text = back.value
+        first, nested, ordered, marked, grad_back, scalar, text = back.value
         block[0] = -1  # the same bytes where the result viewed the slot
         assert first[0].item() == -1 and nested["deep"][0].tolist() == list(range(8, 16))
         assert nested["deep"][1].shape == () and nested["deep"][1].item() == 3
         assert nested["big"].shape == (70_000,) and not nested["big"].any()
         assert type(marked) is Marked and marked[1].item() == 1
+        assert type(ordered) is OrderedDict and ordered["small"].tolist() == [0, 1]
         assert grad_back.requires_grad and grad_back.tolist() == [1.0, 1.0, 1.0]
         assert scalar.item() == 7 and text == "text" and not back.loaderd_stale
         packed = pickle.dumps(value)
