@@ -36,7 +36,7 @@ from typing import Any
 from torch.utils.data import dataloader
 from torch.utils.data._utils import pin_memory
 
-from loaderd.client import slot_handover
+from loaderd.client import output_pool, slot_handover
 from loaderd.client.slot_handover import SlotRef
 
 
@@ -130,8 +130,12 @@ class HandedOver:
     def settle(
         self, hold: slot_handover.WorkerHold, slot: memoryview
     ) -> HandedOver | TaggedBatch | TaggedValue:
-        """Itself when the worker views the slot no more; else the result, viewing it here."""
+        """Itself when the worker views the slot no more; else the result, viewing it here.
+
+        Itself with what the transform made placed in the worker's output pool.
+        """
         if not hold.viewed():
+            self.packed = slot_handover.pooled(self.packed)
             return self
         value = slot_handover.rebuild(self.packed, hold.keep(slot))
         return TaggedBatch(value) if self.is_batch else TaggedValue(value)
@@ -260,6 +264,7 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
         ds = _dataset(self)
         if ds is not None and not was and getattr(self, "_shutdown", False):
             ds._workers_gone()  # the slots they handed over and the loop does not hold
+            output_pool.forget_ended()
             _feeders_gone(self)
 
     cls.__init__ = __init__

@@ -16,8 +16,9 @@ still holds (``handed_held``): the rest of what workers that moved on left it ne
 it (what they fetched ahead, a queue thrown away after a ``break``) and goes back too.
 
 A ``transform``'s result crosses the same way (``pack`` walks its dicts, lists and tuples):
-what still views the slot by place, what the transform made as torch sends it. A transform
-that keeps a view of its batch keeps the slot in its worker (``WorkerHold``).
+what still views the slot by place, what the transform made through the worker's pool of
+shared memory (``pooled``, ``client/output_pool.py``). A transform that keeps a view of its
+batch keeps the slot in its worker (``WorkerHold``).
 
 A batch whose slot was lent again before the loop's process unpacked it (its worker died or
 moved on first, and the daemon sent the batch anew), or whose ring is gone (its daemon was
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from loaderd.client import output_pool
 from loaderd.client.current_pid import current_pid
 from loaderd.client.errors import ProtocolError
 from loaderd.client.fastpath import ShmReceiver
@@ -69,21 +71,33 @@ def pack(value: Any, ref: SlotRef) -> tuple[Any, ...]:
     """What crosses to the loop's process: the slot, and each tensor by place or by value.
 
     ``value`` is a batch, or what a ``transform`` made of it: tensors inside dicts, lists
-    and tuples are found; anything else travels as pickle sends it.
+    and tuples are found; anything else travels as pickle sends it. Tensors the transform
+    made travel as torch sends them until ``pooled`` places them in the worker's pool.
     """
     top = dict(value) if isinstance(value, dict) else value  # a TaggedBatch: a plain dict
-    return ref.job, ref.rank, ref.slot, _packed(top, ref)
+    made: list[torch.Tensor] = []
+    tree = _packed(top, ref, made)
+    return ref.job, ref.rank, ref.slot, tree, (None, [("value", t) for t in made])
 
 
-def _packed(v: Any, ref: SlotRef) -> tuple[Any, ...]:
+def pooled(packed: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``packed`` with what the transform made copied into this worker's output pool.
+
+    Where a slot of it is free (``client/output_pool.py``); else as torch sends it.
+    """
+    *head, (_, made) = packed
+    return (*head, output_pool.place([e[1] for e in made]))
+
+
+def _packed(v: Any, ref: SlotRef, made: list[torch.Tensor]) -> tuple[Any, ...]:
     if type(v) is dict:  # not a subclass (OrderedDict...): rebuilt only by its own pickle
-        return ("dict", [(k, _packed(x, ref)) for k, x in v.items()])
+        return ("dict", [(k, _packed(x, ref, made)) for k, x in v.items()])
     if type(v) in (list, tuple):  # not a namedtuple: rebuilt only by its own pickle
-        return (type(v).__name__, [_packed(x, ref) for x in v])
-    return _entry(v, ref)
+        return (type(v).__name__, [_packed(x, ref, made) for x in v])
+    return _entry(v, ref, made)
 
 
-def _entry(v: Any, ref: SlotRef) -> tuple[Any, ...]:
+def _entry(v: Any, ref: SlotRef, made: list[torch.Tensor]) -> tuple[Any, ...]:
     if _plain(v):
         offset = v.data_ptr() - ref.address
         if v.numel() and min(v.stride(), default=0) >= 0:  # a 0-dim tensor has no strides
@@ -93,6 +107,8 @@ def _entry(v: Any, ref: SlotRef) -> tuple[Any, ...]:
         if v.numel() * v.element_size() <= _BY_VALUE_BYTES:  # e.g. a list field's offsets
             raw = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             return ("bytes", raw, v.dtype, tuple(v.shape))
+        made.append(v)
+        return ("made", len(made) - 1)
     return ("value", v)
 
 
@@ -197,8 +213,12 @@ def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:
     Raises:
         ShmError: the ring is there but cannot be mapped.
     """
-    job, rank, slot, _ = packed
+    job, rank, slot, _, (pool, _) = packed
     state = _state()
+    # First: a stale batch's pool slot goes back to its worker as this anchor dies.
+    made = output_pool.receive(pool) if pool is not None else None
+    if pool is not None and made is None:
+        return None, True  # its worker's pool is gone: the batch comes anew
     try:
         view = state.receiver.slot(*slot)
     except (ProtocolError, RingGone):
@@ -209,20 +229,28 @@ def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:
         state.held[key] += 1
         state.ranks.add((job, rank))
     weakref.finalize(anchor, state.dropped, key)  # at once when no tensor views the slot
-    return rebuild(packed, anchor), False
+    return rebuild(packed, anchor, made), False
 
 
-def rebuild(packed: tuple[Any, ...], anchor: np.ndarray) -> Any:
-    """What ``pack`` packed, its tensors viewing ``anchor`` (the slot, as mapped here)."""
-    return _value(packed[3], anchor)
+def rebuild(packed: tuple[Any, ...], anchor: np.ndarray, made: np.ndarray | None = None) -> Any:
+    """What ``pack`` packed, its tensors viewing ``anchor`` (the slot, as mapped here).
+
+    What the transform made views ``made``, its pool slot, where ``pooled`` placed it.
+    """
+    _, entries = packed[4]
+    tensors = [
+        output_pool.rebuild(e, made) if e[0] == "pool" and made is not None else e[1]
+        for e in entries
+    ]
+    return _value(packed[3], anchor, tensors)
 
 
-def _value(entry: tuple[Any, ...], anchor: np.ndarray) -> Any:
+def _value(entry: tuple[Any, ...], anchor: np.ndarray, made: list[Any]) -> Any:
     kind = entry[0]
     if kind == "dict":
-        return {k: _value(e, anchor) for k, e in entry[1]}
+        return {k: _value(e, anchor, made) for k, e in entry[1]}
     if kind in ("list", "tuple"):
-        items = [_value(e, anchor) for e in entry[1]]
+        items = [_value(e, anchor, made) for e in entry[1]]
         return items if kind == "list" else tuple(items)
     if kind == "slot":
         _, offset, dtype, shape, stride, extent = entry
@@ -233,6 +261,8 @@ def _value(entry: tuple[Any, ...], anchor: np.ndarray) -> Any:
         if not raw:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+    if kind == "made":
+        return made[entry[1]]
     return entry[1]
 
 

@@ -1,0 +1,211 @@
+"""A DataLoader worker sends the tensors its ``transform`` made through shared memory it reuses.
+
+torch sends a worker's new tensor by moving its storage into a new shared-memory file: a copy
+into memory touched for the first time, faulted in again by the receiver, and a file
+descriptor passed per tensor, per batch. A transform making floats of 100 KB samples ran
+slower with 2 workers than with none. So each worker copies a batch's new storages into one
+slot of a pool it made once (``OutputPool``: a few slots, grown when a batch needs more) and
+sends where they lie; the loop's process maps the pool once (it travels with the batches,
+as torch sends shared memory, until the loop says it has it) and views the slot.
+
+A flag per slot, in the pool, says whose it is: the worker sets it when it fills the slot,
+the loop's process clears it once the batch's last view of it dies. A worker finding no slot
+free (the loop holds many of its batches) sends that batch's tensors as torch does.
+
+A pool is shared memory that torch unlinks at once: it is freed when the worker and every view
+of it in the loop's process are gone, a killed worker included. The loop's process forgets a
+worker's pool when that worker sends a new one or has ended.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from loaderd.client.current_pid import current_pid
+
+SLOTS = 4  # the loop holds a batch or two; DataLoader keeps ``prefetch_factor`` (2) in flight
+MAX_POOL_BYTES = 1 << 30  # larger batches go as torch sends them
+_HEADER = 64  # int32 flags: [0] the loop's process has the pool, [1 + i] slot i is in flight
+_ALIGN = 64
+_GROW = 1.25  # a pool's slots fit a batch this much larger than the one that made it
+
+# How a batch's pooled storages travel: the pool's key, the worker's pid, the slot, the
+# slot's first byte and size in the pool, and the pool itself until the loop's process has it.
+PoolRef = tuple[str, int, int, int, int, torch.Tensor | None]
+
+
+class OutputPool:
+    """A worker's slots of shared memory for the tensors its transform made."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.key = os.urandom(8).hex()
+        self.pid = current_pid()
+        self.slot_bytes = slot_bytes
+        self.memory = torch.empty(_HEADER + SLOTS * slot_bytes, dtype=torch.uint8)
+        self.memory.share_memory_()  # type: ignore[no-untyped-call]
+        self.flags = self.memory[:_HEADER].numpy().view(np.int32)
+        self.flags[:] = 0  # share_memory_ copied what ``empty`` held
+        self._next = 0
+
+    def take(self) -> int | None:
+        """A free slot, now in flight; None when the loop's process holds them all."""
+        for j in range(SLOTS):
+            s = (self._next + j) % SLOTS
+            if self.flags[1 + s] == 0:
+                self.flags[1 + s] = 1
+                self._next = s + 1
+                return s
+        return None
+
+    def slot(self, s: int) -> torch.Tensor:
+        """Slot ``s``'s bytes."""
+        start = _HEADER + s * self.slot_bytes
+        return self.memory[start : start + self.slot_bytes]
+
+    def ref(self, s: int) -> PoolRef:
+        """How a batch in slot ``s`` names it: with the pool until the loop's process has it."""
+        attached = bool(self.flags[0])
+        memory = None if attached else self.memory
+        return self.key, self.pid, s, _HEADER + s * self.slot_bytes, self.slot_bytes, memory
+
+
+_POOL: OutputPool | None = None
+_POOL_LOCK = threading.Lock()  # a worker packs in its generator and in its queue's feeder
+
+
+def place(tensors: Sequence[torch.Tensor]) -> tuple[PoolRef | None, list[tuple[Any, ...]]]:
+    """How each of a batch's new tensors travels, and the pool slot they were copied into.
+
+    Each is ``("pool", offset, dtype, shape, stride, storage_offset, storage_bytes)``, its
+    storage copied into the slot at ``offset``, or ``("value", tensor)``, as torch sends it.
+
+    A storage is copied whole and once (torch sends them so): views of it keep their strides,
+    and two views of one storage still share their bytes. Storages in shared memory already
+    cost torch no copy and travel as they are.
+    """
+    global _POOL
+    offsets: dict[int, int] = {}
+    need = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.is_shared() or storage.nbytes() % t.element_size() or ptr in offsets:
+            continue
+        offsets[ptr] = need
+        need += -(-storage.nbytes() // _ALIGN) * _ALIGN
+    slot_bytes = -(-int(need * _GROW) // _ALIGN) * _ALIGN
+    if not offsets or slot_bytes * SLOTS > MAX_POOL_BYTES:
+        return None, [("value", t) for t in tensors]
+    with _POOL_LOCK:
+        pool = _POOL if _POOL is not None and _POOL.pid == current_pid() else None
+        if pool is None or pool.slot_bytes < need:
+            pool = _POOL = OutputPool(slot_bytes)
+        taken = pool.take()
+        if taken is None:
+            return None, [("value", t) for t in tensors]
+        dst = pool.slot(taken)
+        ref = pool.ref(taken)
+    entries: list[tuple[Any, ...]] = []
+    copied: set[int] = set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        at = offsets.get(storage.data_ptr())
+        if at is None:
+            entries.append(("value", t))
+            continue
+        n = storage.nbytes()
+        if at not in copied:
+            dst[at : at + n].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            copied.add(at)
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        entries.append(("pool", at, t.dtype, shape, stride, t.storage_offset(), n))
+    return ref, entries
+
+
+class _Mapped:
+    """The loop's process: the pools of the workers it receives from (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.pid = current_pid()
+        self.lock = threading.Lock()
+        self.pools: dict[str, tuple[int, torch.Tensor]] = {}  # key: (worker pid, memory)
+
+
+_MAPPED: _Mapped | None = None
+_MAPPED_LOCK = threading.Lock()
+
+
+def _mapped() -> _Mapped:
+    global _MAPPED
+    with _MAPPED_LOCK:
+        if _MAPPED is None or _MAPPED.pid != current_pid():
+            _MAPPED = _Mapped()
+        return _MAPPED
+
+
+def receive(ref: PoolRef) -> np.ndarray | None:
+    """The slot ``ref`` names, as bytes here; it goes back to its worker once they die.
+
+    None where this process no longer has the pool (its worker was killed, and a later pool
+    or the DataLoader's shutdown dropped it): the batch comes again, as any stale one.
+    """
+    key, pid, s, start, nbytes, memory = ref
+    mapped = _mapped()
+    with mapped.lock:
+        if key in mapped.pools:
+            memory = mapped.pools[key][1]
+        elif memory is None:
+            return None
+        else:
+            for k, (p, _) in list(mapped.pools.items()):
+                if p == pid or not _alive(p):
+                    del mapped.pools[k]
+            mapped.pools[key] = (pid, memory)
+    flags = memory[:_HEADER].numpy().view(np.int32)
+    flags[0] = 1  # the worker sends slots by place alone from now on
+    anchor = memory[start : start + nbytes].numpy()
+    weakref.finalize(anchor, _give_back, flags, s)
+    return anchor
+
+
+def _give_back(flags: np.ndarray, s: int) -> None:
+    flags[1 + s] = 0
+
+
+def rebuild(entry: tuple[Any, ...], anchor: np.ndarray) -> torch.Tensor:
+    """A ``("pool", ...)`` entry's tensor, viewing ``anchor`` (its slot, from ``receive``)."""
+    _, at, dtype, shape, stride, storage_offset, n = entry
+    size = torch.empty(0, dtype=dtype).element_size()
+    flat = torch.frombuffer(anchor, dtype=dtype, count=n // size, offset=at) if n else None
+    if flat is None:
+        return torch.empty(shape, dtype=dtype)
+    return flat.as_strided(shape, stride, storage_offset)
+
+
+def forget_ended() -> None:
+    """Drop the pools of workers that have ended; their memory goes once no batch views it.
+
+    The loop's process, after its DataLoader shut its workers down.
+    """
+    mapped = _mapped()
+    with mapped.lock:
+        for k, (p, _) in list(mapped.pools.items()):
+            if not _alive(p):
+                del mapped.pools[k]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,161 @@
+"""A worker sends what its transform made through shared memory it reuses (client/output_pool.py).
+
+One process plays worker and loop's process for the protocol; a real daemon and real forked
+DataLoader workers for the rest: the values and their strides are the transform's, a slot
+the loop holds is never written, and the loop forgets the pools of workers that ended.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from loaderd.client import LoaderdDataset, output_pool, slot_handover
+from loaderd.client.loop_acks import HandedOver, TaggedValue
+from loaderd.client.slot_handover import slot_ref
+from loaderd.shm_ring import LentRing
+from tests.conftest import N_SAMPLES
+from tests.helpers import Daemon, daemon_shm, wait_until
+
+pytestmark = pytest.mark.integration
+
+Dataset = tuple[Path, dict[str, np.ndarray]]
+
+
+def crossed(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """``tensors`` placed as a worker does and rebuilt as the loop's process does."""
+    ref, entries = output_pool.place(tensors)
+    if ref is None:
+        return [e[1] for e in entries], None
+    anchor = output_pool.receive(ref)
+    assert anchor is not None
+    return [output_pool.rebuild(e, anchor) if e[0] == "pool" else e[1] for e in entries], ref
+
+
+def test_a_batch_s_new_storages_cross_once_each_keeping_strides_and_aliases() -> None:
+    made = torch.arange(600_000, dtype=torch.float32).reshape(600, 1000)
+    other = torch.ones(50_000, dtype=torch.int64)
+    tensors = [made, made.t(), made[10:20, 5:], other, made.view(torch.int32)]
+    back, ref = crossed(tensors)
+    assert ref is not None and ref[5] is not None, "the pool travels until the loop has it"
+    for got, want in zip(back, tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.stride() == want.stride() and torch.equal(got, want)
+        assert got.data_ptr() != want.data_ptr(), "the pool's bytes, not the worker's"
+    back[0][11, 7] = -1.0  # one storage: its views still share their bytes
+    assert back[2][1, 2].item() == -1.0 and back[1][7, 11].item() == -1.0
+    assert back[3].untyped_storage().data_ptr() != back[0].untyped_storage().data_ptr()
+    # The loop's process has the pool now: later batches name it only.
+    again, ref = crossed([made.clone()])
+    assert ref is not None and ref[5] is None and torch.equal(again[0], made)
+
+
+def test_a_slot_the_loop_holds_is_never_written_and_comes_back_once_dropped() -> None:
+    made = [torch.full((100_000,), float(i)) for i in range(output_pool.SLOTS + 2)]
+    held = []
+    for t in made:
+        back, ref = crossed([t.clone()])
+        held.append((back[0], ref))
+    pooled = [ref is not None for _, ref in held]
+    assert sum(pooled) <= output_pool.SLOTS and not pooled[-1], "no slot free: as torch sends"
+    for (got, _), want in zip(held, made, strict=True):
+        assert torch.equal(got, want), "a slot the loop held was written again"
+    held.clear()
+    gc.collect()
+    assert crossed([made[0].clone()])[1] is not None, "dropped: the slots are free again"
+
+
+def test_a_batch_larger_than_a_slot_gets_a_new_pool() -> None:
+    small = crossed([torch.zeros(20_000)])[1]
+    large, ref = crossed([torch.ones(2_000_000)])
+    assert small is not None and ref is not None and ref[0] != small[0] and ref[5] is not None
+    assert torch.equal(large[0], torch.ones(2_000_000))
+
+
+def test_storages_in_shared_memory_or_too_large_travel_as_torch_sends_them() -> None:
+    shared = torch.zeros(100_000)
+    shared.share_memory_()  # type: ignore[no-untyped-call]
+    ref, entries = output_pool.place([shared])
+    assert ref is None and entries[0][1] is shared
+    huge = torch.empty(output_pool.MAX_POOL_BYTES // output_pool.SLOTS, dtype=torch.uint8)
+    ref, entries = output_pool.place([huge])
+    assert ref is None and entries[0][1] is huge
+
+
+def test_a_stale_batch_gives_its_pool_slot_back() -> None:
+    """Its daemon slot was lent again before the loop unpickled it: nothing of it is kept."""
+    with LentRing.create(2, 4096) as ring:
+        slot = ring.acquire()
+        assert slot is not None
+        view = ring.view(slot)
+        result = TaggedValue((torch.ones(100_000), torch.from_numpy(np.frombuffer(view, np.uint8))))
+        value = HandedOver(result, slot_ref("j", 0, (ring.name, slot, ring.generation(slot)), view))
+        value.packed = slot_handover.pooled(value.packed)
+        pool = value.packed[4][0]
+        assert pool is not None
+        packed = pickle.dumps(value)
+        ring.release(slot)
+        assert ring.acquire() is not None  # lent again
+        flags = pool_flags()
+        assert flags[pool[2]] == 1
+        assert pickle.loads(packed).loaderd_stale
+        assert flags[pool[2]] == 0, "the pool slot went back"
+
+
+def pool_flags() -> np.ndarray:
+    """This process's pool's slot flags (1: in flight)."""
+    assert output_pool._POOL is not None
+    return output_pool._POOL.flags[1 : 1 + output_pool.SLOTS]
+
+
+def resized(image: torch.Tensor) -> torch.Tensor:
+    """Floats in [0, 1], four times as wide and high: a new tensor larger than 64 KB."""
+    return torch.nn.functional.interpolate(image.float() / 255, scale_factor=4)
+
+
+def resized_and_channels_last(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A transform making a new tensor, with a permuted view of it and views of the slot."""
+    x = resized(batch["image"])
+    return {"x": x, "nhwc": x.permute(0, 2, 3, 1), "label": batch["label"], "id": batch["id"]}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_send_their_transform_s_tensors_through_their_pools(
+    dataset: Dataset, tmp_path: Path, persistent: bool
+) -> None:
+    db, arrays = dataset
+    with Daemon(db=db, state_dir=tmp_path / "state", extra=["--shm-slots", "16"]) as d:
+        ds = LoaderdDataset(
+            d.address, job="pool", batch_size=16, prefetch=2, transform=resized_and_channels_last
+        )
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+        for epoch in range(3):
+            seen: list[int] = []
+            kept = []  # the second epoch keeps every batch: more than the pools have slots
+            for out in loader:
+                ids = out["id"].numpy()
+                want = resized(torch.from_numpy(arrays["image"][ids]))
+                assert torch.equal(out["x"], want) and torch.equal(
+                    out["nhwc"], out["x"].permute(0, 2, 3, 1)
+                )
+                assert out["nhwc"].stride() == want.permute(0, 2, 3, 1).stride()
+                assert out["nhwc"].data_ptr() == out["x"].data_ptr(), "one storage still"
+                seen += ids.tolist()
+                if epoch == 1:
+                    kept.append((want, out["x"]))
+            for want, x in kept:
+                assert torch.equal(x, want), "a batch the loop kept was written again"
+            assert sorted(seen) == list(range(N_SAMPLES))
+            workers = {pid for pid, _ in output_pool._mapped().pools.values() if pid != os.getpid()}
+            assert len(workers) == (2 if persistent else 0), "ended workers' pools are forgotten"
+        del out, ids, kept, loader
+        ds.close()
+        wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
