@@ -37,7 +37,7 @@ def views(batch: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def scaled(batch: dict[str, Any]) -> dict[str, Any]:
-    """A transform that makes a new tensor: it crosses as torch sends it, a fresh copy."""
+    """A transform that makes a new tensor: it crosses through the worker's output pool."""
     return {"image": batch["image"].float().div_(255), "label": batch["label"], "id": batch["id"]}
 
 
