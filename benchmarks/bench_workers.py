@@ -5,8 +5,9 @@ example and what frameworks advise: each batch handed from the worker to the loo
 slot and all (``client/slot_handover.py``), with fresh and with persistent workers; with a
 ``transform`` that returns views of the batch (``(image, label, id)``, as torchvision users
 write them) and one that makes a new tensor (the image as floats in [0, 1], 4x its bytes);
-loaderd with ``num_workers=0``; and a plain DataLoader (num_workers 0 and 2) reading the same
-LMDB, best warm epoch, doing the same work per sample in its workers.
+loaderd with ``num_workers=0``; loaderd over the socket (``--no-shm``, as from a daemon on
+another host) with 0 and 2 workers; and a plain DataLoader (num_workers 0 and 2) reading the
+same LMDB, best warm epoch, doing the same work per sample in its workers.
 
 Each loaderd row is a fresh daemon (DRAM 1.5x the store, the page cache held warm) over
 ``--epochs`` epochs, each timed from its first batch: the first is a warm miss, the best of
@@ -52,26 +53,35 @@ WORK: dict[str, tuple[Callable[[dict[str, Any]], Any] | None, Any]] = {
     "views": (views, None),  # a plain DataLoader's samples are the same tensors
     "scaled": (scaled, scaled_sample),
 }
-# (label, num_workers, persistent_workers, work)
-SETUPS = [
-    ("0 workers", 0, False, "none"),
-    ("2 workers, handed over", 2, False, "none"),
-    ("2 persistent workers, handed over", 2, True, "none"),
-    ("2 workers, a transform returning views", 2, False, "views"),
-    ("0 workers, a transform making floats", 0, False, "scaled"),
-    ("2 workers, a transform making floats", 2, False, "scaled"),
+# (label, num_workers, persistent_workers, work, the daemon's extra arguments)
+SETUPS: list[tuple[str, int, bool, str, list[str]]] = [
+    ("0 workers", 0, False, "none", []),
+    ("2 workers, handed over", 2, False, "none", []),
+    ("2 persistent workers, handed over", 2, True, "none", []),
+    ("2 workers, a transform returning views", 2, False, "views", []),
+    ("0 workers, a transform making floats", 0, False, "scaled", []),
+    ("2 workers, a transform making floats", 2, False, "scaled", []),
+    # No ring (a daemon on another host): the worker's batch crosses through its output pool.
+    ("0 workers, over the socket (--no-shm)", 0, False, "none", ["--no-shm"]),
+    ("2 workers, over the socket (--no-shm)", 2, False, "none", ["--no-shm"]),
 ]
 
 
 def loaderd_epochs(
-    ctx: Context, db: Path, epochs: int, workers: int, persistent: bool, work: str
+    ctx: Context,
+    db: Path,
+    epochs: int,
+    workers: int,
+    persistent: bool,
+    work: str,
+    extra: list[str] | None = None,
 ) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from loaderd.client import LoaderdDataset
 
     store_bytes = (db / "data.mdb").stat().st_size
-    srv = ctx.serve(db, int(store_bytes * 1.5))
+    srv = ctx.serve(db, int(store_bytes * 1.5), extra or [])
     try:
         transform = WORK[work][0]
         ds = LoaderdDataset(
@@ -97,8 +107,8 @@ def bench_one(ctx: Context, size: int, store_mb: int, epochs: int) -> dict[str, 
     }
     rows: dict[str, Any] = {}
     with held_in_cache([db / "data.mdb"]):
-        for label, workers, persistent, work in SETUPS:
-            got = loaderd_epochs(ctx, db, epochs, workers, persistent, work)
+        for label, workers, persistent, work, extra in SETUPS:
+            got = loaderd_epochs(ctx, db, epochs, workers, persistent, work, extra)
             rates = got["rates"]
             best = max(dl["scaled" if work == "scaled" else "none"].values())
             rows[label] = {

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import dataloader
+from torch.utils.data import dataloader, get_worker_info
 from torch.utils.data._utils import pin_memory
 
 from loaderd.client import output_pool, slot_handover
@@ -57,7 +57,9 @@ class TaggedBatch(dict[str, Any]):
 
     In a worker that hands its slots over (``loaderd_slot`` set), pickling sends where the
     tensors lie in the slot, not their bytes (``client/slot_handover.py``); ``loaderd_stale``
-    marks a batch whose slot was lent again before it was unpacked.
+    marks a batch whose slot was lent again before it was unpacked. In any other DataLoader
+    worker (a batch that came over the socket) its tensors cross through the worker's output
+    pool (``client/output_pool.py``).
     """
 
     loaderd_tag: BatchTag | None = None
@@ -70,9 +72,12 @@ class TaggedBatch(dict[str, Any]):
         return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if self.loaderd_slot is None:
+        if self.loaderd_slot is None and get_worker_info() is None:
             return super().__reduce_ex__(protocol)
-        return (_handed_batch, (slot_handover.pack(self, self.loaderd_slot), self.loaderd_tag))
+        packed = slot_handover.pack(self, self.loaderd_slot)
+        if self.loaderd_slot is None:
+            packed = slot_handover.pooled(packed)
+        return (_handed_batch, (packed, self.loaderd_tag))
 
 
 def _handed_batch(packed: tuple[Any, ...], tag: BatchTag | None) -> TaggedBatch:
@@ -98,7 +103,10 @@ class TaggedValue:
         self.loaderd_stale = False  # as TaggedBatch's, when it came through HandedOver
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_tagged_value, (self.value, self.loaderd_tag))
+        if get_worker_info() is None:
+            return (_tagged_value, (self.value, self.loaderd_tag))
+        packed = slot_handover.pooled(slot_handover.pack(self.value, None))
+        return (_handed_value, (packed, self.loaderd_tag))  # as a TaggedBatch's, in a worker
 
     def pin_memory(self) -> TaggedValue:
         """The value in pinned memory, still tagged (a DataLoader's pin-memory thread)."""

@@ -67,17 +67,19 @@ def slot_ref(job: str, rank: int, slot: SlotId, view: memoryview) -> SlotRef:
     return SlotRef(job, rank, slot, address, view.nbytes)
 
 
-def pack(value: Any, ref: SlotRef) -> tuple[Any, ...]:
+def pack(value: Any, ref: SlotRef | None) -> tuple[Any, ...]:
     """What crosses to the loop's process: the slot, and each tensor by place or by value.
 
     ``value`` is a batch, or what a ``transform`` made of it: tensors inside dicts, lists
-    and tuples are found; anything else travels as pickle sends it. Tensors the transform
-    made travel as torch sends them until ``pooled`` places them in the worker's pool.
+    and tuples are found; anything else travels as pickle sends it. Tensors outside the slot
+    (all, with ``ref`` None: a batch that came over the socket) travel as torch sends them
+    until ``pooled`` places them in the worker's pool.
     """
     top = dict(value) if isinstance(value, dict) else value  # a TaggedBatch: a plain dict
     made: list[torch.Tensor] = []
     tree = _packed(top, ref, made)
-    return ref.job, ref.rank, ref.slot, tree, (None, [("value", t) for t in made])
+    head = (ref.job, ref.rank, ref.slot) if ref is not None else (None, None, None)
+    return *head, tree, (None, [("value", t) for t in made])
 
 
 def pooled(packed: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -89,7 +91,7 @@ def pooled(packed: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*head, output_pool.place([e[1] for e in made]))
 
 
-def _packed(v: Any, ref: SlotRef, made: list[torch.Tensor]) -> tuple[Any, ...]:
+def _packed(v: Any, ref: SlotRef | None, made: list[torch.Tensor]) -> tuple[Any, ...]:
     if type(v) is dict:  # not a subclass (OrderedDict...): rebuilt only by its own pickle
         return ("dict", [(k, _packed(x, ref, made)) for k, x in v.items()])
     if type(v) in (list, tuple):  # not a namedtuple: rebuilt only by its own pickle
@@ -97,10 +99,11 @@ def _packed(v: Any, ref: SlotRef, made: list[torch.Tensor]) -> tuple[Any, ...]:
     return _entry(v, ref, made)
 
 
-def _entry(v: Any, ref: SlotRef, made: list[torch.Tensor]) -> tuple[Any, ...]:
+def _entry(v: Any, ref: SlotRef | None, made: list[torch.Tensor]) -> tuple[Any, ...]:
     if _plain(v):
-        offset = v.data_ptr() - ref.address
-        if v.numel() and min(v.stride(), default=0) >= 0:  # a 0-dim tensor has no strides
+        # A 0-dim tensor has no strides; a batch that came over the socket, no slot.
+        if ref is not None and v.numel() and min(v.stride(), default=0) >= 0:
+            offset = v.data_ptr() - ref.address
             extent = sum((n - 1) * s for n, s in zip(v.shape, v.stride(), strict=True)) + 1
             if offset >= 0 and offset + extent * v.element_size() <= ref.nbytes:
                 return ("slot", offset, v.dtype, tuple(v.shape), tuple(v.stride()), extent)
@@ -214,11 +217,13 @@ def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:
         ShmError: the ring is there but cannot be mapped.
     """
     job, rank, slot, _, (pool, _) = packed
-    state = _state()
     # First: a stale batch's pool slot goes back to its worker as this anchor dies.
     made = output_pool.receive(pool) if pool is not None else None
     if pool is not None and made is None:
         return None, True  # its worker's pool is gone: the batch comes anew
+    if slot is None:  # it came over the socket
+        return rebuild(packed, None, made), False
+    state = _state()
     try:
         view = state.receiver.slot(*slot)
     except (ProtocolError, RingGone):
@@ -232,7 +237,9 @@ def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:
     return rebuild(packed, anchor, made), False
 
 
-def rebuild(packed: tuple[Any, ...], anchor: np.ndarray, made: np.ndarray | None = None) -> Any:
+def rebuild(
+    packed: tuple[Any, ...], anchor: np.ndarray | None, made: np.ndarray | None = None
+) -> Any:
     """What ``pack`` packed, its tensors viewing ``anchor`` (the slot, as mapped here).
 
     What the transform made views ``made``, its pool slot, where ``pooled`` placed it.
@@ -245,14 +252,14 @@ def rebuild(packed: tuple[Any, ...], anchor: np.ndarray, made: np.ndarray | None
     return _value(packed[3], anchor, tensors)
 
 
-def _value(entry: tuple[Any, ...], anchor: np.ndarray, made: list[Any]) -> Any:
+def _value(entry: tuple[Any, ...], anchor: np.ndarray | None, made: list[Any]) -> Any:
     kind = entry[0]
     if kind == "dict":
         return {k: _value(e, anchor, made) for k, e in entry[1]}
     if kind in ("list", "tuple"):
         items = [_value(e, anchor, made) for e in entry[1]]
         return items if kind == "list" else tuple(items)
-    if kind == "slot":
+    if kind == "slot" and anchor is not None:  # a batch packed with its slot
         _, offset, dtype, shape, stride, extent = entry
         flat = torch.frombuffer(anchor, dtype=dtype, count=extent, offset=offset)
         return flat.as_strided(shape, stride)

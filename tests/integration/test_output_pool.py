@@ -23,7 +23,7 @@ from loaderd.client.loop_acks import HandedOver, TaggedValue
 from loaderd.client.slot_handover import slot_ref
 from loaderd.shm_ring import LentRing
 from tests.conftest import N_SAMPLES
-from tests.helpers import Daemon, daemon_shm, wait_until
+from tests.helpers import Daemon, daemon_shm, make_npz, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -159,3 +159,37 @@ def test_workers_send_their_transform_s_tensors_through_their_pools(
         del out, ids, kept, loader
         ds.close()
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
+
+
+def in_a_pool(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in a DataLoader worker's output pool, as mapped here."""
+    pools = [m for _, m in output_pool._mapped().pools.values()]
+    return any(0 <= t.data_ptr() - m.data_ptr() < m.numel() for m in pools)
+
+
+def image_and_id(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch["image"], batch["id"]
+
+
+@pytest.mark.parametrize("transform", [None, image_and_id])
+def test_batches_that_came_over_the_socket_cross_through_the_pool(
+    tmp_path: Path, transform: Any
+) -> None:
+    """No ring (``--no-shm``, or a daemon on another host): the worker's tensors are its own."""
+    from loaderd.storage.ingest import ingest
+
+    arrays = make_npz(tmp_path / "big.npz", 256, shape=(3, 32, 32))  # 98 KB a batch of 32
+    ingest(tmp_path / "big.npz", tmp_path / "big.db", progress=False)
+    with Daemon(db=tmp_path / "big.db", state_dir=tmp_path / "state", extra=["--no-shm"]) as d:
+        ds = LoaderdDataset(d.address, job="sock", batch_size=32, transform=transform)
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        for _ in range(2):
+            seen: list[int] = []
+            for out in loader:
+                image, ids = (out["image"], out["id"]) if transform is None else out
+                np.testing.assert_array_equal(image.numpy(), arrays["image"][ids.numpy()])
+                assert in_a_pool(image), "through the worker's pool, not a file of its own"
+                seen += ids.tolist()
+            assert sorted(seen) == list(range(256))
+        del out, image, loader
+        ds.close()
