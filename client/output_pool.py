@@ -19,6 +19,7 @@ worker's pool when that worker sends a new one or has ended.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -29,6 +30,8 @@ import numpy as np
 import torch
 
 from loaderd.client.current_pid import current_pid
+
+logger = logging.getLogger(__name__)
 
 SLOTS = 4  # the loop holds a batch or two; DataLoader keeps ``prefetch_factor`` (2) in flight
 MAX_POOL_BYTES = 1 << 30  # larger batches go as torch sends them
@@ -45,13 +48,16 @@ class OutputPool:
     """A worker's slots of shared memory for the tensors its transform made."""
 
     def __init__(self, slot_bytes: int) -> None:
+        """A new pool of ``SLOTS`` slots.
+
+        Raises:
+            OSError, RuntimeError: ``/dev/shm`` has no room for it.
+        """
         self.key = os.urandom(8).hex()
         self.pid = current_pid()
         self.slot_bytes = slot_bytes
-        self.memory = torch.empty(_HEADER + SLOTS * slot_bytes, dtype=torch.uint8)
-        self.memory.share_memory_()  # type: ignore[no-untyped-call]
+        self.memory = _shared_zeros(_HEADER + SLOTS * slot_bytes)
         self.flags = self.memory[:_HEADER].numpy().view(np.int32)
-        self.flags[:] = 0  # share_memory_ copied what ``empty`` held
         self._next = 0
 
     def take(self) -> int | None:
@@ -76,7 +82,25 @@ class OutputPool:
         return self.key, self.pid, s, _HEADER + s * self.slot_bytes, self.slot_bytes, memory
 
 
+def _shared_zeros(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of new shared memory, zeros, held in ``/dev/shm`` now.
+
+    A file there is sparse: where it cannot take the bytes (a container's 64 MB ``/dev/shm``)
+    the first write past its room kills the process with SIGBUS. So the bytes are taken at
+    once (``posix_fallocate``), and a pool that does not fit is not made.
+
+    Raises:
+        OSError: no room.
+    """
+    storage: Any = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+    if torch.multiprocessing.get_sharing_strategy() == "file_descriptor":  # type: ignore[no-untyped-call]
+        fd, size = storage._share_fd_cpu_()
+        os.posix_fallocate(fd, 0, size)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
 _POOL: OutputPool | None = None
+_POOL_OFF = False  # set once ``/dev/shm`` had no room for a pool: as torch sends them
 _POOL_LOCK = threading.Lock()  # a worker packs in its generator and in its queue's feeder
 
 
@@ -90,7 +114,7 @@ def place(tensors: Sequence[torch.Tensor]) -> tuple[PoolRef | None, list[tuple[A
     and two views of one storage still share their bytes. Storages in shared memory already
     cost torch no copy and travel as they are.
     """
-    global _POOL
+    global _POOL, _POOL_OFF
     offsets: dict[int, int] = {}
     need = 0
     for t in tensors:
@@ -101,12 +125,24 @@ def place(tensors: Sequence[torch.Tensor]) -> tuple[PoolRef | None, list[tuple[A
         offsets[ptr] = need
         need += -(-storage.nbytes() // _ALIGN) * _ALIGN
     slot_bytes = -(-int(need * _GROW) // _ALIGN) * _ALIGN
-    if not offsets or slot_bytes * SLOTS > MAX_POOL_BYTES:
+    if not offsets or slot_bytes * SLOTS > MAX_POOL_BYTES or _POOL_OFF:
         return None, [("value", t) for t in tensors]
     with _POOL_LOCK:
         pool = _POOL if _POOL is not None and _POOL.pid == current_pid() else None
         if pool is None or pool.slot_bytes < need:
-            pool = _POOL = OutputPool(slot_bytes)
+            _POOL = None  # the old one goes as the loop's process drops its batches
+            try:
+                pool = _POOL = OutputPool(slot_bytes)
+            except (OSError, RuntimeError) as e:  # torch's own resize fails with the latter
+                logger.warning(
+                    "DataLoader worker %d: no room in /dev/shm for a %d MiB output pool (%s); "
+                    "its batches go as torch sends them",
+                    current_pid(),
+                    (_HEADER + SLOTS * slot_bytes) >> 20,
+                    e,
+                )
+                _POOL_OFF = True
+                return None, [("value", t) for t in tensors]
         taken = pool.take()
         if taken is None:
             return None, [("value", t) for t in tensors]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +117,31 @@ def pool_flags() -> np.ndarray:
     """This process's pool's slot flags (1: in flight)."""
     assert output_pool._POOL is not None
     return output_pool._POOL.flags[1 : 1 + output_pool.SLOTS]
+
+
+def test_a_pool_dev_shm_cannot_hold_is_not_made_and_the_worker_lives() -> None:
+    """Its file is taken whole at once, not faulted in later (SIGBUS past a full ``/dev/shm``).
+
+    A child process whose files may not grow past 1 MiB stands for a full ``/dev/shm``.
+    """
+    script = textwrap.dedent(
+        """
+        import resource, signal, torch
+        from loaderd.client import output_pool
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        for _ in range(2):
+            t = torch.ones(1_000_000)
+            ref, entries = output_pool.place([t])
+            assert ref is None and entries[0][1] is t
+        print("alive")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "alive"
+    assert out.stderr.count("no room in /dev/shm") == 1, out.stderr
 
 
 def resized(image: torch.Tensor) -> torch.Tensor:
