@@ -1,8 +1,9 @@
-"""A DataLoader worker sends the tensors its ``transform`` made through shared memory it reuses.
+"""A DataLoader worker sends the tensors it made through shared memory it reuses.
 
-torch sends a worker's new tensor by moving its storage into a new shared-memory file: a copy
-into memory touched for the first time, faulted in again by the receiver, and a file
-descriptor passed per tensor, per batch. A transform making floats of 100 KB samples ran
+What a worker's ``transform`` made, and a batch that came over the socket, are the worker's
+own tensors. torch sends such a tensor by moving its storage into a new shared-memory file: a
+copy into memory touched for the first time, faulted in again by the receiver, and a file
+descriptor passed per storage, per batch. A transform making floats of 100 KB samples ran
 slower with 2 workers than with none. So each worker copies a batch's new storages into one
 slot of a pool it made once (``OutputPool``: a few slots, grown when a batch needs more) and
 sends where they lie; the loop's process maps the pool once (it travels with the batches,
@@ -45,7 +46,7 @@ PoolRef = tuple[str, int, int, int, int, torch.Tensor | None]
 
 
 class OutputPool:
-    """A worker's slots of shared memory for the tensors its transform made."""
+    """A worker's slots of shared memory for the tensors it made."""
 
     def __init__(self, slot_bytes: int) -> None:
         """A new pool of ``SLOTS`` slots.
@@ -90,7 +91,8 @@ def _shared_zeros(nbytes: int) -> torch.Tensor:
     once (``posix_fallocate``), and a pool that does not fit is not made.
 
     Raises:
-        OSError: no room.
+        OSError: no room (``posix_fallocate``).
+        RuntimeError: torch could not make the file that size.
     """
     storage: Any = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
     if torch.multiprocessing.get_sharing_strategy() == "file_descriptor":  # type: ignore[no-untyped-call]
