@@ -35,7 +35,8 @@ from loaderd.client.current_pid import current_pid
 logger = logging.getLogger(__name__)
 
 SLOTS = 4  # the loop holds a batch or two; DataLoader keeps ``prefetch_factor`` (2) in flight
-MAX_POOL_BYTES = 1 << 30  # larger batches go as torch sends them
+MAX_POOL_BYTES = 1 << 30  # fewer slots for larger batches, down to 2; larger ones go as torch
+MIN_SLOTS = 2  # sends them
 _HEADER = 64  # int32 flags: [0] the loop's process has the pool, [1 + i] slot i is in flight
 _ALIGN = 64
 _GROW = 1.25  # a pool's slots fit a batch this much larger than the one that made it
@@ -48,8 +49,8 @@ PoolRef = tuple[str, int, int, int, int, torch.Tensor | None]
 class OutputPool:
     """A worker's slots of shared memory for the tensors it made."""
 
-    def __init__(self, slot_bytes: int) -> None:
-        """A new pool of ``SLOTS`` slots.
+    def __init__(self, slot_bytes: int, slots: int) -> None:
+        """A new pool of ``slots`` slots.
 
         Raises:
             OSError, RuntimeError: ``/dev/shm`` has no room for it.
@@ -57,14 +58,15 @@ class OutputPool:
         self.key = os.urandom(8).hex()
         self.pid = current_pid()
         self.slot_bytes = slot_bytes
-        self.memory = _shared_zeros(_HEADER + SLOTS * slot_bytes)
+        self.slots = slots
+        self.memory = _shared_zeros(_HEADER + slots * slot_bytes)
         self.flags = self.memory[:_HEADER].numpy().view(np.int32)
         self._next = 0
 
     def take(self) -> int | None:
         """A free slot, now in flight; None when the loop's process holds them all."""
-        for j in range(SLOTS):
-            s = (self._next + j) % SLOTS
+        for j in range(self.slots):
+            s = (self._next + j) % self.slots
             if self.flags[1 + s] == 0:
                 self.flags[1 + s] = 1
                 self._next = s + 1
@@ -127,20 +129,21 @@ def place(tensors: Sequence[torch.Tensor]) -> tuple[PoolRef | None, list[tuple[A
         offsets[ptr] = need
         need += -(-storage.nbytes() // _ALIGN) * _ALIGN
     slot_bytes = -(-int(need * _GROW) // _ALIGN) * _ALIGN
-    if not offsets or slot_bytes * SLOTS > MAX_POOL_BYTES or _POOL_OFF:
+    slots = min(SLOTS, MAX_POOL_BYTES // max(slot_bytes, 1))
+    if not offsets or slots < MIN_SLOTS or _POOL_OFF:
         return None, [("value", t) for t in tensors]
     with _POOL_LOCK:
         pool = _POOL if _POOL is not None and _POOL.pid == current_pid() else None
         if pool is None or pool.slot_bytes < need:
             _POOL = None  # the old one goes as the loop's process drops its batches
             try:
-                pool = _POOL = OutputPool(slot_bytes)
+                pool = _POOL = OutputPool(slot_bytes, slots)
             except (OSError, RuntimeError) as e:  # torch's own resize fails with the latter
                 logger.warning(
                     "DataLoader worker %d: no room in /dev/shm for a %d MiB output pool (%s); "
                     "its batches go as torch sends them",
                     current_pid(),
-                    (_HEADER + SLOTS * slot_bytes) >> 20,
+                    (_HEADER + slots * slot_bytes) >> 20,
                     e,
                 )
                 _POOL_OFF = True

@@ -88,9 +88,16 @@ def test_storages_in_shared_memory_or_too_large_travel_as_torch_sends_them() -> 
     shared.share_memory_()  # type: ignore[no-untyped-call]
     ref, entries = output_pool.place([shared])
     assert ref is None and entries[0][1] is shared
-    huge = torch.empty(output_pool.MAX_POOL_BYTES // output_pool.SLOTS, dtype=torch.uint8)
+    huge = torch.empty(output_pool.MAX_POOL_BYTES // output_pool.MIN_SLOTS, dtype=torch.uint8)
     ref, entries = output_pool.place([huge])
     assert ref is None and entries[0][1] is huge
+
+
+def test_large_batches_get_fewer_slots_down_to_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(output_pool, "MAX_POOL_BYTES", 4 << 20)
+    back, ref = crossed([torch.ones(1 << 18)])  # 1 MiB: 3 slots of 1.25 MiB fit in 4 MiB
+    assert ref is not None and torch.equal(back[0], torch.ones(1 << 18))
+    assert crossed([torch.ones(1 << 19)])[1] is None, "2 MiB: not two slots: as torch sends"
 
 
 def test_a_stale_batch_gives_its_pool_slot_back() -> None:
@@ -116,7 +123,7 @@ def test_a_stale_batch_gives_its_pool_slot_back() -> None:
 def pool_flags() -> np.ndarray:
     """This process's pool's slot flags (1: in flight)."""
     assert output_pool._POOL is not None
-    return output_pool._POOL.flags[1 : 1 + output_pool.SLOTS]
+    return output_pool._POOL.flags[1 : 1 + output_pool._POOL.slots]
 
 
 def test_a_pool_dev_shm_cannot_hold_is_not_made_and_the_worker_lives() -> None:
