@@ -83,9 +83,10 @@ def pack(value: Any, ref: SlotRef | None) -> tuple[Any, ...]:
 
 
 def pooled(packed: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``packed`` with what the transform made copied into this worker's output pool.
+    """``packed`` with the worker's own tensors copied into its output pool.
 
-    Where a slot of it is free (``client/output_pool.py``); else as torch sends it.
+    What a transform made, or a batch that came over the socket, where a slot of the pool is
+    free (``client/output_pool.py``); else as torch sends it.
     """
     *head, (_, made) = packed
     return (*head, output_pool.place([e[1] for e in made]))
