@@ -23,9 +23,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from loaderd.client.address import check_address, unreachable_hint
-from loaderd.client.current_pid import current_pid
 from loaderd.client.curve import ClientKeys
 from loaderd.client.errors import DaemonUnavailableError, ProtocolError, RemoteError
+from loaderd.client.pids import current_pid
 from loaderd.client.protocol import (
     MAX_FRAME_BYTES,
     Buffer,

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from loaderd.client.current_pid import current_pid
 from loaderd.client.device import CudaBackend, DeviceBuffering, resolve_cuda_device
+from loaderd.client.pids import current_pid
 from loaderd.client.protocol import Message
 from loaderd.client.shm import ShmError, ShmRing, SlotDescriptor, is_uint
 from loaderd.client.slot_lifetime import hold_slot

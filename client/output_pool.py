@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loaderd.client.current_pid import current_pid
+from loaderd.client.pids import current_pid, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def receive(ref: PoolRef) -> np.ndarray | None:
             return None
         else:
             for k, (p, _) in list(mapped.pools.items()):
-                if p == pid or not _alive(p):
+                if p == pid or not pid_alive(p):
                     del mapped.pools[k]
             mapped.pools[key] = (pid, memory)
     flags = memory[:_HEADER].numpy().view(np.int32)
@@ -238,15 +238,5 @@ def forget_ended() -> None:
     mapped = _mapped()
     with mapped.lock:
         for k, (p, _) in list(mapped.pools.items()):
-            if not _alive(p):
+            if not pid_alive(p):
                 del mapped.pools[k]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from loaderd.client import output_pool
-from loaderd.client.current_pid import current_pid
 from loaderd.client.errors import ProtocolError
 from loaderd.client.fastpath import ShmReceiver
+from loaderd.client.pids import current_pid
 from loaderd.client.shm import RingGone
 
 # A tensor outside the slot this small travels by value; a larger one as torch sends it.

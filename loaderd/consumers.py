@@ -25,6 +25,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from loaderd.client.pids import pid_alive
+
 logger = logging.getLogger(__name__)
 
 ConsumerKey = tuple[str, int, int]  # job, rank, worker
@@ -38,24 +40,6 @@ def pid_namespace() -> str:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` names a running process (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 @dataclass(slots=True)

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loaderd.client.errors import ProtocolError
+from loaderd.client.pids import pid_alive
 from loaderd.client.protocol import Buffer
 from loaderd.client.shm import (
     GEN,
@@ -82,7 +83,7 @@ from loaderd.client.shm import (
     layout_bytes,
 )
 from loaderd.config import ShmConfig
-from loaderd.consumers import Consumers, pid_alive
+from loaderd.consumers import Consumers
 from loaderd.prefetch import Batch, Placed
 from loaderd.shm_ring import LentRing, cleanup_stale
 from loaderd.stats import human_bytes

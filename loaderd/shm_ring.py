@@ -25,6 +25,7 @@ import zlib
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
+from loaderd.client.pids import pid_alive, start_time
 from loaderd.client.shm import (
     CRC,
     DEFAULT_PREFIX,
@@ -126,7 +127,7 @@ class LentRing(ShmRing):
             mm = mmap.mmap(fd, total, flags=MAP_FLAGS)  # dups fd: ours is closed below
             pid = os.getpid()
             head = HEADER.pack(
-                MAGIC, VERSION, slots, slot_bytes, data_offset, pid, _start_time(pid) or 0
+                MAGIC, VERSION, slots, slot_bytes, data_offset, pid, start_time(pid) or 0
             )
             # The header goes in last, checksummed: a ring caught half-made never validates.
             mm[: HEADER.size + CRC.size] = head + CRC.pack(zlib.crc32(head))
@@ -291,49 +292,6 @@ class LentRing(ShmRing):
 # --- stale rings ------------------------------------------------------------------------------
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), None when unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: count fields after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])  # field 22, starttime
-    except (IndexError, ValueError):
-        return None
-
-
-def process_alive(pid: int, start_time: int | None = None) -> bool:
-    """Whether the process ``pid`` runs, and is the one that started at ``start_time``.
-
-    Args:
-        pid: process id.
-        start_time: the start time recorded with the pid (clock ticks since boot, as in
-            ``/proc/<pid>/stat``); when given and readable, a reused pid reads as dead.
-    """
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: it exists
-    if start_time:
-        now = _start_time(pid)
-        if now is not None and now != start_time:
-            return False
-    # A zombie has exited and will never touch the ring again.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-        return state not in (b"Z", b"X")
-    except OSError:
-        return True
-
-
 def cleanup_stale(
     prefix: str = DEFAULT_PREFIX, *, directory: str | os.PathLike[str] = SHM_DIR
 ) -> list[str]:
@@ -362,7 +320,7 @@ def cleanup_stale(
         if not entry.name.startswith(prefix) or not entry.is_file(follow_symlinks=False):
             continue
         owner = _owner(Path(entry.path), name_pid)
-        if owner is None or process_alive(*owner):
+        if owner is None or pid_alive(*owner):
             continue
         try:
             os.unlink(entry.path)

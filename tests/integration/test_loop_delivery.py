@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from loaderd.client import LoaderdDataset, RemoteError
-from loaderd.consumers import pid_alive
+from loaderd.client.pids import pid_alive
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon, wait_until
 

@@ -15,10 +15,10 @@ import pytest
 
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
+from loaderd.client.pids import pid_alive
 from loaderd.client.protocol import PROTOCOL_VERSION, MsgType
 from loaderd.config import default_miss_procs
 from loaderd.miss_workers import PIPELINE
-from loaderd.shm_ring import process_alive
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store_writer import StoreWriter
 from tests.helpers import Daemon, wait_until
@@ -170,11 +170,11 @@ def test_miss_workers_exit_with_their_daemon(
         wait_until(lambda: stats(d.address)["miss_workers"]["running"] == default_miss_procs())
         workers = stats(d.address)["miss_workers"]
         pids = [*workers["pids"], workers["forker"]]
-        assert len(pids) == default_miss_procs() + 1 and all(process_alive(p) for p in pids)
+        assert len(pids) == default_miss_procs() + 1 and all(pid_alive(p) for p in pids)
         ds.close()
         d.kill()  # SIGKILL: no shutdown code runs
         for pid in pids:
-            wait_until(lambda pid=pid: not process_alive(pid), what=f"miss worker {pid} to exit")
+            wait_until(lambda pid=pid: not pid_alive(pid), what=f"miss worker {pid} to exit")
 
 
 def test_batches_a_stopped_worker_holds_are_served_when_it_is_killed(

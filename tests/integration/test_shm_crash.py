@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaderd.client.pids import pid_alive
 from loaderd.client.shm import ShmRing
-from loaderd.consumers import pid_alive
 from loaderd.shm_ring import LentRing, cleanup_stale
 from tests.unit.test_shm import pack
 

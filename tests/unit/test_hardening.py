@@ -10,8 +10,9 @@ import pytest
 
 from loaderd import crashpoints
 from loaderd.client.curve import ClientKeys, KeyFileError
+from loaderd.client.pids import pid_alive
 from loaderd.client.resume import PassProgress, check_state
-from loaderd.consumers import Consumers, pid_alive
+from loaderd.consumers import Consumers
 from loaderd.jobs import JobError, JobSpec
 from loaderd.pass_state import PassState
 from loaderd.planner import plan_pass

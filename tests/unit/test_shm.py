@@ -30,7 +30,7 @@ from loaderd.client.shm import (
     layout_bytes,
     slot_layout,
 )
-from loaderd.shm_ring import LentRing, cleanup_stale, process_alive
+from loaderd.shm_ring import LentRing, cleanup_stale
 
 PREFIX = "ldtest-"
 DEAD_PID = (1 << 22) + 4242  # above the largest pid_max Linux allows: never a live process
@@ -371,10 +371,3 @@ def test_cleanup_stale_removes_dead_owners_and_keeps_live(shm_dir: Path) -> None
     for r in (live, dead, reused):
         r.close()
     assert cleanup_stale(PREFIX, directory=shm_dir / "missing") == []
-
-
-def test_process_alive() -> None:
-    assert process_alive(os.getpid())
-    assert not process_alive(DEAD_PID)
-    assert not process_alive(0)
-    assert not process_alive(os.getpid(), start_time=1)
