@@ -269,10 +269,12 @@ def _wrap(cls: Any, resume_states: Callable[[tuple[Any, ...], dict[str, Any]], l
     def _shutdown_workers(self: Any) -> None:
         was = getattr(self, "_shutdown", True)
         shutdown(self)
+        if was or not getattr(self, "_shutdown", False):
+            return
+        output_pool.forget_ended()  # also where loaderd's dataset is wrapped in another
         ds = _dataset(self)
-        if ds is not None and not was and getattr(self, "_shutdown", False):
+        if ds is not None:
             ds._workers_gone()  # the slots they handed over and the loop does not hold
-            output_pool.forget_ended()
             _feeders_gone(self)
 
     cls.__init__ = __init__

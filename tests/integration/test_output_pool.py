@@ -189,11 +189,50 @@ def test_workers_send_their_transform_s_tensors_through_their_pools(
             for want, x in kept:
                 assert torch.equal(x, want), "a batch the loop kept was written again"
             assert sorted(seen) == list(range(N_SAMPLES))
-            workers = {pid for pid, _ in output_pool._mapped().pools.values() if pid != os.getpid()}
-            assert len(workers) == (2 if persistent else 0), "ended workers' pools are forgotten"
+            assert len(worker_pools()) == (2 if persistent else 0), "ended workers' are forgotten"
         del out, ids, kept, loader
         ds.close()
         wait_until(lambda: daemon_shm(d.address)["lent"] == 0, what="every slot back")
+
+
+class Wrapped(torch.utils.data.IterableDataset[Any]):
+    """loaderd's dataset inside a user's own, as a framework's combined loader holds it."""
+
+    def __init__(self, inner: LoaderdDataset) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> Any:
+        yield from self.inner
+
+
+@pytest.mark.filterwarnings("ignore:LoaderdDataset runs in a worker of a DataLoader iterator")
+def test_a_wrapped_dataset_s_workers_pools_are_forgotten_when_they_end(
+    dataset: Dataset, tmp_path: Path
+) -> None:
+    db, arrays = dataset
+    with Daemon(db=db, state_dir=tmp_path / "state") as d:
+        inner = LoaderdDataset(d.address, job="wrapped", batch_size=16, transform=resized_dict)
+        loader = DataLoader(Wrapped(inner), batch_size=None, num_workers=2)
+        for _ in range(2):
+            seen: list[int] = []
+            for out in loader:
+                x, ids = out["x"], out["id"]
+                assert torch.equal(x, resized(torch.from_numpy(arrays["image"][ids.numpy()])))
+                assert in_a_pool(x)
+                seen += ids.tolist()
+            assert sorted(seen) == list(range(N_SAMPLES))
+            assert not worker_pools(), "the ended workers' pools are forgotten"
+        inner.close()
+
+
+def resized_dict(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A dict stays loaderd's batch through a user's dataset (a tuple goes as torch sends it)."""
+    return {"x": resized(batch["image"]), "id": batch["id"]}
+
+
+def worker_pools() -> set[int]:
+    """The pids of the DataLoader workers whose pools this process holds."""
+    return {pid for pid, _ in output_pool._mapped().pools.values() if pid != os.getpid()}
 
 
 def in_a_pool(t: torch.Tensor) -> bool:
