@@ -118,41 +118,17 @@ def place(tensors: Sequence[torch.Tensor]) -> tuple[PoolRef | None, list[tuple[A
     and two views of one storage still share their bytes. Storages in shared memory already
     cost torch no copy and travel as they are.
     """
-    global _POOL, _POOL_OFF
-    offsets: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # storage address: its offset in the slot
     need = 0
     for t in tensors:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if storage.is_shared() or storage.nbytes() % t.element_size() or ptr in offsets:
-            continue
-        offsets[ptr] = need
-        need += -(-storage.nbytes() // _ALIGN) * _ALIGN
-    slot_bytes = -(-int(need * _GROW) // _ALIGN) * _ALIGN
-    slots = min(SLOTS, MAX_POOL_BYTES // max(slot_bytes, 1))
-    if not offsets or slots < MIN_SLOTS or _POOL_OFF:
+        if not storage.is_shared() and storage.data_ptr() not in offsets:
+            offsets[storage.data_ptr()] = need
+            need += -(-storage.nbytes() // _ALIGN) * _ALIGN
+    taken = _take(need) if offsets else None
+    if taken is None:
         return None, [("value", t) for t in tensors]
-    with _POOL_LOCK:
-        pool = _POOL if _POOL is not None and _POOL.pid == current_pid() else None
-        if pool is None or pool.slot_bytes < need:
-            _POOL = None  # the old one goes as the loop's process drops its batches
-            try:
-                pool = _POOL = OutputPool(slot_bytes, slots)
-            except (OSError, RuntimeError) as e:  # torch's own resize fails with the latter
-                logger.warning(
-                    "DataLoader worker %d: no room in /dev/shm for a %d MiB output pool (%s); "
-                    "its batches go as torch sends them",
-                    current_pid(),
-                    (_HEADER + slots * slot_bytes) >> 20,
-                    e,
-                )
-                _POOL_OFF = True
-                return None, [("value", t) for t in tensors]
-        taken = pool.take()
-        if taken is None:
-            return None, [("value", t) for t in tensors]
-        dst = pool.slot(taken)
-        ref = pool.ref(taken)
+    ref, dst = taken
     entries: list[tuple[Any, ...]] = []
     copied: set[int] = set()
     for t in tensors:
@@ -168,6 +144,36 @@ def place(tensors: Sequence[torch.Tensor]) -> tuple[PoolRef | None, list[tuple[A
         shape, stride = tuple(t.shape), tuple(t.stride())
         entries.append(("pool", at, t.dtype, shape, stride, t.storage_offset(), n))
     return ref, entries
+
+
+def _take(need: int) -> tuple[PoolRef, torch.Tensor] | None:
+    """A slot of ``need`` bytes or more of this worker's pool (made or grown): ref and bytes.
+
+    None where the loop's process holds every slot, or no pool can hold ``need``.
+    """
+    global _POOL, _POOL_OFF
+    slot_bytes = -(-int(need * _GROW) // _ALIGN) * _ALIGN
+    slots = min(SLOTS, MAX_POOL_BYTES // max(slot_bytes, 1))
+    if slots < MIN_SLOTS or _POOL_OFF:
+        return None
+    with _POOL_LOCK:
+        pool = _POOL if _POOL is not None and _POOL.pid == current_pid() else None
+        if pool is None or pool.slot_bytes < need:
+            _POOL = None  # the old one goes as the loop's process drops its batches
+            try:
+                pool = _POOL = OutputPool(slot_bytes, slots)
+            except (OSError, RuntimeError) as e:  # torch's own resize fails with the latter
+                logger.warning(
+                    "DataLoader worker %d: no room in /dev/shm for a %d MiB output pool (%s); "
+                    "its batches go as torch sends them",
+                    current_pid(),
+                    (_HEADER + slots * slot_bytes) >> 20,
+                    e,
+                )
+                _POOL_OFF = True
+                return None
+        s = pool.take()
+        return None if s is None else (pool.ref(s), pool.slot(s))
 
 
 class _Mapped:
@@ -223,10 +229,9 @@ def _give_back(flags: np.ndarray, s: int) -> None:
 def rebuild(entry: tuple[Any, ...], anchor: np.ndarray) -> torch.Tensor:
     """A ``("pool", ...)`` entry's tensor, viewing ``anchor`` (its slot, from ``receive``)."""
     _, at, dtype, shape, stride, storage_offset, n = entry
-    size = torch.empty(0, dtype=dtype).element_size()
-    flat = torch.frombuffer(anchor, dtype=dtype, count=n // size, offset=at) if n else None
-    if flat is None:
+    if n < dtype.itemsize:
         return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(anchor, dtype=dtype, count=n // dtype.itemsize, offset=at)
     return flat.as_strided(shape, stride, storage_offset)
 
 
