@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loaderd.client.pids import current_pid, pid_alive
+from loaderd.client.pids import PerProcess, current_pid, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -180,21 +180,11 @@ class _Mapped:
     """The loop's process: the pools of the workers it receives from (thread-safe)."""
 
     def __init__(self) -> None:
-        self.pid = current_pid()
         self.lock = threading.Lock()
         self.pools: dict[str, tuple[int, torch.Tensor]] = {}  # key: (worker pid, memory)
 
 
-_MAPPED: _Mapped | None = None
-_MAPPED_LOCK = threading.Lock()
-
-
-def _mapped() -> _Mapped:
-    global _MAPPED
-    with _MAPPED_LOCK:
-        if _MAPPED is None or _MAPPED.pid != current_pid():
-            _MAPPED = _Mapped()
-        return _MAPPED
+_mapped = PerProcess(_Mapped).get
 
 
 def receive(ref: PoolRef) -> np.ndarray | None:

@@ -9,7 +9,12 @@ DataLoader workers (``pid_alive``): one answer for all, a zombie counting as dea
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 _pid = os.getpid()
 
@@ -25,6 +30,32 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def current_pid() -> int:
     """The id of the calling process (the same as ``os.getpid()``)."""
     return _pid
+
+
+class PerProcess(Generic[T]):
+    """One ``make()`` per process: a forked child gets its own, never its parent's (thread-safe).
+
+    For what a process holds of shared memory (slots it maps, pools of its workers): a child
+    forked while its parent held some must not give them back too.
+    """
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._value: T | None = None
+
+    def get(self) -> T:
+        """This process's, made on first use."""
+        with self._lock:
+            if self._value is None or self._pid != current_pid():
+                self._value, self._pid = self._make(), current_pid()
+            return self._value
+
+    def peek(self) -> T | None:
+        """This process's if it made one, without making it."""
+        value = self._value
+        return value if value is not None and self._pid == current_pid() else None
 
 
 def start_time(pid: int) -> int | None:

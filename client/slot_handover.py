@@ -41,7 +41,7 @@ import torch
 from loaderd.client import output_pool
 from loaderd.client.errors import ProtocolError
 from loaderd.client.fastpath import ShmReceiver
-from loaderd.client.pids import current_pid
+from loaderd.client.pids import PerProcess
 from loaderd.client.shm import RingGone
 
 # A tensor outside the slot this small travels by value; a larger one as torch sends it.
@@ -177,7 +177,6 @@ class _Handed:
     """This process's part: rings mapped, slots held, slots to give back (thread-safe)."""
 
     def __init__(self) -> None:
-        self.pid = current_pid()
         self.lock = threading.Lock()
         self.receiver = ShmReceiver(True)
         self.held: Counter[tuple[str, int, SlotId]] = Counter()
@@ -193,22 +192,14 @@ class _Handed:
             self.returned.append(key)
 
 
-_STATE: _Handed | None = None
-_STATE_LOCK = threading.Lock()  # the loop's thread and a pin-memory thread unpack
-
-
-def _state() -> _Handed:
-    global _STATE
-    with _STATE_LOCK:
-        if _STATE is None or _STATE.pid != current_pid():
-            _STATE = _Handed()  # a forked child holds none of its parent's slots
-        return _STATE
+_STATE = PerProcess(_Handed)  # the loop's thread and a pin-memory thread unpack
+_state = _STATE.get
 
 
 def in_use(job: str, rank: int) -> bool:
     """Whether this process has unpacked a batch ``job``'s ``rank`` handed over."""
-    state = _STATE
-    return state is not None and state.pid == current_pid() and (job, rank) in state.ranks
+    state = _STATE.peek()
+    return state is not None and (job, rank) in state.ranks
 
 
 def unpack(packed: tuple[Any, ...]) -> tuple[Any, bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from loaderd.client.pids import current_pid, pid_alive, start_time
+from loaderd.client.pids import PerProcess, current_pid, pid_alive, start_time
 
 
 def test_current_pid_is_the_process_id() -> None:
@@ -40,3 +40,19 @@ def test_a_process_that_exited_is_dead_even_unreaped_or_its_pid_reused() -> None
         time.sleep(0.01)
     assert not pid_alive(child), "a zombie has exited"
     os.waitpid(child, 0)  # reaped only now
+
+
+def test_a_forked_child_makes_its_own_per_process_value() -> None:
+    held = PerProcess(list[int])
+    assert held.peek() is None
+    held.get().append(1)  # the parent holds something
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(w, f"{held.peek()} {held.get()}".encode())
+        os._exit(0)
+    os.close(w)
+    seen = os.read(r, 64).decode()
+    os.close(r)
+    os.waitpid(child, 0)
+    assert seen == "None []" and held.get() == [1]
