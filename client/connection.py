@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -68,9 +69,9 @@ class Connection:
         self.curve_dir = None if curve_dir is None else Path(curve_dir)
         self._keys = None if self.curve_dir is None else ClientKeys.load(self.curve_dir)
         self._pid = -1
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
+        self._closer: weakref.finalize[..., Connection] | None = None  # closes all, once
         self._last_id = 0  # request ids count up from 1
         self._lost_upto = 0  # requests up to this id went to a connection that closed
         self._stash: dict[int, Message] = {}
@@ -80,29 +81,51 @@ class Connection:
     def _socket(self) -> zmq.Socket[bytes]:
         if self._pid != current_pid():
             # After fork the parent's context belongs to the parent: never touch it here.
-            self._ctx, self._sock, self._monitor = None, None, None
+            if self._closer is not None:
+                self._closer.detach()
+            self._sock, self._monitor, self._closer = None, None, None
             self._pid = current_pid()
             self._stash.clear()
             self._ignored.clear()
+        elif self._closer is not None and not self._closer.alive:
+            # The collector closed them: this Connection is garbage, and a neighbour in its
+            # cycle still sends from its own finalizer (a DataLoader iterator's shutdown).
+            self.reset()
         if self._sock is None:
-            self._ctx = zmq.Context()
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            # A DEALER with no live pipe blocks on send, e.g. after a failed CURVE handshake
-            # tore its pipe down: bound it like a reply, never hang.
-            sock.setsockopt(zmq.SNDTIMEO, min(max(1, int(self.timeout_s * 1000)), _MAX_MS))
-            # ZMTP heartbeats: a daemon that stops answering drops the connection, and the
-            # next request goes to whichever daemon binds the address again.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
-            if self._keys is not None:
-                self._keys.apply(sock)
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(self.address)
-            self._sock = sock
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            try:
+                sock, monitor = self._open(ctx)
+            except BaseException:
+                ctx.destroy(linger=0)
+                raise
+            self._sock, self._monitor = sock, monitor
+            # Closed by a finalizer that holds them, not by ``__del__``: a Connection caught
+            # in a reference cycle is collected with whatever only it holds, in an order
+            # the collector picks, and a context finalized before its sockets hangs in term().
+            # Sockets opened again after ``__del__`` had run would never be closed at all.
+            self._closer = weakref.finalize(self, _close, ctx, sock, monitor, self._pid)
+            self._closer.atexit = False  # at exit a thread may still be using it; the OS closes
         return self._sock
+
+    def _open(
+        self, ctx: zmq.Context[zmq.Socket[bytes]]
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        # A DEALER with no live pipe blocks on send, e.g. after a failed CURVE handshake
+        # tore its pipe down: bound it like a reply, never hang.
+        sock.setsockopt(zmq.SNDTIMEO, min(max(1, int(self.timeout_s * 1000)), _MAX_MS))
+        # ZMTP heartbeats: a daemon that stops answering drops the connection, and the
+        # next request goes to whichever daemon binds the address again.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        if self._keys is not None:
+            self._keys.apply(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        return sock, monitor
 
     def send(self, type_: MsgType, meta: dict[str, Any], frames: Sequence[Buffer] = ()) -> int:
         """Send a request without waiting; returns its request id."""
@@ -233,23 +256,13 @@ class Connection:
 
     def reset(self) -> None:
         """Drop the socket (replies in flight are lost); the next request opens a new one."""
-        if self._sock is not None and self._pid == current_pid():
-            if self._monitor is not None:
-                self._sock.disable_monitor()
-                self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            assert self._ctx is not None
-            self._ctx.term()
-        self._sock = self._ctx = self._monitor = None
+        if self._closer is not None:
+            self._closer()
+        self._sock = self._monitor = self._closer = None
         self._stash.clear()
         self._ignored.clear()
 
     close = reset
-
-    def __del__(self) -> None:
-        # A dataset dropped without close() must not leak its socket (or warn about it).
-        if getattr(self, "_sock", None) is not None:
-            self.reset()
 
     def __enter__(self) -> Connection:
         return self
@@ -263,6 +276,20 @@ class Connection:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["address"], state["timeout_s"], state.get("curve_dir"))  # type: ignore[misc]
+
+
+def _close(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    sock: zmq.Socket[bytes],
+    monitor: zmq.Socket[bytes],
+    pid: int,
+) -> None:
+    if pid != current_pid():
+        return  # a forked child's copy of its parent's sockets: the parent closes them
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
+    ctx.term()
 
 
 def _recv_frames(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
