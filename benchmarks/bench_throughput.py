@@ -98,7 +98,7 @@ def spied(pid: int, out: Path | None) -> Any:
 
 
 class CpuUse:
-    """Cores each process kept busy over a block: the daemon and this trainer.
+    """Cores each process kept busy over a block: the daemon, its miss workers and this trainer.
 
     Together they tell a row bound by work (the two near the machine's cores) from one bound
     by waiting (a request/reply chain with both sides idle part of the time). With ``loop``
@@ -119,12 +119,18 @@ class CpuUse:
     def measured(self) -> Any:
         t0 = time.perf_counter()
         before = {k: sum(p.cpu_times()[:2]) for k, p in self.procs.items()}
+        kids = self.procs["daemon"].children(recursive=True)
+        workers = {p: sum(p.cpu_times()[:2]) for p in kids}
         turned = self.loop() if self.loop is not None else None
         loop_cpu = self._loop_cpu()
         yield
         wall = time.perf_counter() - t0
         for k, p in self.procs.items():
             self.cores[k] = round((sum(p.cpu_times()[:2]) - before[k]) / wall, 2)
+        # Its child processes, the miss workers (a worker that ended within the block is missed).
+        kids = self.procs["daemon"].children(recursive=True)
+        used = sum(_cpu_since(p, workers.get(p, 0.0)) for p in kids)
+        self.cores["workers"] = round(used / wall, 2)
         if self.loop is not None and turned is not None:
             now = self.loop()
             busy = now["busy_s"] - turned["busy_s"]
@@ -138,6 +144,13 @@ class CpuUse:
         for t in daemon.threads():
             if t.id == daemon.pid:
                 return float(t.user_time + t.system_time)
+        return 0.0
+
+
+def _cpu_since(proc: psutil.Process, before: float) -> float:
+    try:
+        return sum(proc.cpu_times()[:2]) - before
+    except psutil.Error:  # it ended within the block
         return 0.0
 
 
@@ -630,8 +643,9 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], command: str) -> 
             if r.get("cores"):
                 c = r["cores"]
                 out.append(
-                    f"{r['config']}: busy cores: daemon {c['daemon']}, trainer {c['trainer']} "
-                    f"(of {info['nproc']}); the server loop busy {c.get('loop', '?')} of the time, "
+                    f"{r['config']}: busy cores: daemon {c['daemon']}, its miss workers "
+                    f"{c.get('workers', '?')}, trainer {c['trainer']} (of {info['nproc']}); "
+                    f"the server loop busy {c.get('loop', '?')} of the time, "
                     f"on a core {c.get('loop_cpu', '?')}."
                 )
         out.append("")
