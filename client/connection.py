@@ -38,6 +38,7 @@ from loaderd.client.protocol import (
     encode_header,
     encode_meta,
 )
+from loaderd.client.turns import Turns
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,10 @@ _MAX_MS = 2**31 - 1  # zmq's timeouts are C ints of milliseconds (~24.8 days)
 
 
 class Connection:
-    """A request/reply channel to one daemon address. Not thread-safe; one per process.
+    """A request/reply channel to one daemon address: one per process, any of its threads.
+
+    Threads take turns at the socket (``client/turns.py``); a reply that reaches another
+    thread's wait is kept for its own.
 
     Args:
         address: the daemon's endpoint (``ipc://...`` or ``tcp://...``).
@@ -72,6 +76,7 @@ class Connection:
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._closer: weakref.finalize[..., Connection] | None = None  # closes all, once
+        self._turns = Turns()
         self._last_id = 0  # request ids count up from 1
         self._lost_upto = 0  # requests up to this id went to a connection that closed
         self._stash: dict[int, Message] = {}
@@ -129,6 +134,14 @@ class Connection:
 
     def send(self, type_: MsgType, meta: dict[str, Any], frames: Sequence[Buffer] = ()) -> int:
         """Send a request without waiting; returns its request id."""
+        turns = self._turns_here()
+        turns.take()
+        try:
+            return self._send(type_, meta, frames)
+        finally:
+            turns.give()
+
+    def _send(self, type_: MsgType, meta: dict[str, Any], frames: Sequence[Buffer]) -> int:
         sock = self._socket()
         self._note_closes()  # a connection that closed by now carried none of this request
         self._last_id += 1
@@ -157,24 +170,41 @@ class Connection:
             RemoteError: the daemon answered with ERROR.
             DaemonUnavailableError: no reply within the timeout.
         """
-        reply = self._stash.pop(request_id, None)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        turns = self._turns_here()
+        turns.take()
+        try:
+            reply = self._wait(request_id, timeout, turns)
+        finally:
+            turns.give()
+        if reply.type == MsgType.ERROR:
+            raise RemoteError(*decode_error(reply))
+        check_reply(reply)
+        return reply
+
+    def _wait(self, request_id: int, timeout: float, turns: Turns) -> Message:
         deadline = time.monotonic() + timeout
-        sock = self._socket()
-        assert self._monitor is not None
-        watch = [(sock, _POLLIN), (self._monitor, _POLLIN)]
-        while reply is None:
+        while (reply := self._stash.pop(request_id, None)) is None:
+            sock = self._socket()  # anew after each turn another thread had: it may reset
+            assert self._monitor is not None
             # Replies that came before a close are read first; after it, none will come.
             lost = request_id <= self._lost_upto
             left = deadline - time.monotonic()
-            ready = (
-                zmq.zmq_poll(watch, 0 if lost else int(left * 1000) + 1) if lost or left > 0 else []
-            )
-            if not ready or ready[0][0] is not sock:
-                if lost or not ready:
+            if not lost and left <= 0:
+                self.reset()
+                raise self._unavailable(timeout)
+            watch: list[tuple[Any, int]] = [(sock, _POLLIN), (self._monitor, _POLLIN)]
+            watch.append((turns.wake_fd, _POLLIN))  # a raw fd: zmq polls it beside the sockets
+            polled = zmq.zmq_poll(watch, 0 if lost else int(left * 1000) + 1)
+            ready: set[Any] = {s for s, _ in polled}
+            if turns.wake_fd in ready:
+                turns.let_in()
+                continue
+            if sock not in ready:
+                if lost:
                     self.reset()
-                    raise self._unavailable(timeout, closed=lost)
-                self._note_closes()
+                    raise self._unavailable(timeout, closed=True)
+                self._note_closes()  # the monitor's, or the timeout's: both seen above
                 continue
             msg = decode(_recv_frames(sock))
             if msg.type == MsgType.WAITING:  # parked, not lost: say why and wait on
@@ -182,17 +212,11 @@ class Connection:
                 if msg.request_id == request_id:  # the next note comes within again_s
                     again = 2 * float(msg.meta["again_s"])
                     deadline = time.monotonic() + max(timeout, again)
-                continue
-            if msg.request_id == request_id:
-                reply = msg
             elif msg.request_id in self._ignored:
                 self._ignored.discard(msg.request_id)
                 self._log_if_error(msg)
             else:
-                self._stash[msg.request_id] = msg
-        if reply.type == MsgType.ERROR:
-            raise RemoteError(*decode_error(reply))
-        check_reply(reply)
+                self._stash[msg.request_id] = msg  # ours too: popped at the loop's top
         return reply
 
     def request(
@@ -212,11 +236,22 @@ class Connection:
 
     def ignore(self, request_id: int) -> None:
         """Drop the reply to ``request_id`` when it arrives (logging it if it is an error)."""
-        msg = self._stash.pop(request_id, None)
-        if msg is not None:
-            self._log_if_error(msg)
-        else:
-            self._ignored.add(request_id)
+        turns = self._turns_here()
+        turns.take()
+        try:
+            msg = self._stash.pop(request_id, None)
+            if msg is not None:
+                self._log_if_error(msg)
+            else:
+                self._ignored.add(request_id)
+        finally:
+            turns.give()
+
+    def _turns_here(self) -> Turns:
+        turns = self._turns
+        if turns.pid != current_pid():  # a forked child: its parent's may be held forever
+            turns = self._turns = Turns()
+        return turns
 
     def _note_closes(self) -> None:
         """Read the monitor's events: a closed connection lost every request sent so far.
@@ -256,11 +291,17 @@ class Connection:
 
     def reset(self) -> None:
         """Drop the socket (replies in flight are lost); the next request opens a new one."""
-        if self._closer is not None:
-            self._closer()
-        self._sock = self._monitor = self._closer = None
-        self._stash.clear()
-        self._ignored.clear()
+        turns = self._turns_here()
+        turns.take()
+        try:
+            if self._closer is not None:
+                self._closer()
+            self._sock = self._monitor = self._closer = None
+            self._lost_upto = self._last_id  # another thread's wait ends at once
+            self._stash.clear()
+            self._ignored.clear()
+        finally:
+            turns.give()
 
     close = reset
 

@@ -703,7 +703,8 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         """Send per-sample losses to the daemon without waiting for it.
 
         They go a few batches' worth at a time, and always before a pass ends or the next
-        one opens (``client/losses.py``); ``flush`` sends them and waits until recorded.
+        one opens (``client/losses.py``); ``flush`` sends them and waits until recorded. Any
+        thread may call it, e.g. the training loop while a thread of its own iterates.
 
         Args:
             ids: the batch's ``id`` tensor (or any int sequence).
@@ -712,11 +713,13 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         """
         self._hello_retrying()
         kind = kind or self._phase
-        if len(self._losses) and kind != self._losses.kind:
-            self._send_losses()
-        self._losses.add(_as_numpy(ids, np.int64), _as_numpy(losses, np.float32), kind)
-        if self._losses.due():
-            self._send_losses()
+        ids, losses = _as_numpy(ids, np.int64), _as_numpy(losses, np.float32)
+        with self._feedback_lock:  # from any thread: the batches may come through another
+            if len(self._losses) and kind != self._losses.kind:
+                self._send_losses()
+            self._losses.add(ids, losses, kind)
+            if self._losses.due():
+                self._send_losses()
 
     # --- the rest -----------------------------------------------------------------------------
 

@@ -1,0 +1,77 @@
+"""One trainer process, several threads: batches through a prefetch thread of the trainer's
+own, losses sent (and waited for) from its training loop, one connection for all."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loaderd.client import LoaderdDataset
+from loaderd.client.connection import Connection
+from loaderd.client.protocol import MsgType
+from tests.conftest import N_SAMPLES
+from tests.helpers import Daemon
+
+pytestmark = pytest.mark.integration
+
+
+def test_threads_waiting_on_one_connection_each_get_their_own_replies(daemon: Daemon) -> None:
+    # Before turns, a thread polling the socket read the others' replies and kept them while
+    # they polled on: each waited out its timeout.
+    errors: list[BaseException] = []
+    with Connection(daemon.address, timeout_s=10.0) as conn:
+
+        def ping(n: int) -> None:
+            try:
+                for _ in range(n):
+                    assert conn.request(MsgType.PING, {}).type == MsgType.PONG
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=ping, args=(300,)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a thread still waits"
+    assert errors == []
+
+
+def test_a_prefetch_thread_iterates_while_the_loop_sends_and_flushes_losses(
+    dataset: tuple[Path, dict[str, np.ndarray]], daemon: Daemon
+) -> None:
+    images = torch.from_numpy(dataset[1]["image"])
+    ds = LoaderdDataset(daemon.address, job="threads", batch_size=16)
+    epochs = 3
+
+    def prefetch(out: queue.Queue[object]) -> None:
+        try:
+            for batch in ds:
+                out.put(batch)
+        except BaseException as e:
+            out.put(e)
+        out.put(None)
+
+    for _ in range(epochs):
+        batches: queue.Queue[object] = queue.Queue(maxsize=4)
+        thread = threading.Thread(target=prefetch, args=(batches,))
+        thread.start()
+        seen: list[int] = []
+        while (batch := batches.get(timeout=60)) is not None:
+            assert not isinstance(batch, BaseException), batch
+            assert isinstance(batch, dict)
+            assert torch.equal(batch["image"], images[batch["id"]])
+            ds.feedback(batch["id"], batch["id"].float() / N_SAMPLES)
+            if len(seen) % 48 == 0:
+                ds.flush()  # waits for its replies while the thread waits for batches
+            seen += batch["id"].tolist()
+        thread.join(60)
+        assert sorted(seen) == list(range(N_SAMPLES)), "each sample once an epoch"
+    ds.flush()
+    assert ds.stats()["jobs"]["threads"]["feedback_samples"] == epochs * N_SAMPLES
+    ds.close()
