@@ -79,6 +79,7 @@ class Connection:
         self._turns = Turns()
         self._last_id = 0  # request ids count up from 1
         self._lost_upto = 0  # requests up to this id went to a connection that closed
+        self._dropped_upto = 0  # ... or to a socket reset dropped since
         self._stash: dict[int, Message] = {}
         self._ignored: set[int] = set()
         self._last_waiting = ""
@@ -202,7 +203,8 @@ class Connection:
                 continue
             if sock not in ready:
                 if lost:
-                    self.reset()
+                    if request_id > self._dropped_upto:  # not the socket another thread opened
+                        self.reset()
                     raise self._unavailable(timeout, closed=True)
                 self._note_closes()  # the monitor's, or the timeout's: both seen above
                 continue
@@ -297,7 +299,8 @@ class Connection:
             if self._closer is not None:
                 self._closer()
             self._sock = self._monitor = self._closer = None
-            self._lost_upto = self._last_id  # another thread's wait ends at once
+            # Another thread's wait ends at once, and leaves the new socket alone.
+            self._lost_upto = self._dropped_upto = self._last_id
             self._stash.clear()
             self._ignored.clear()
         finally:

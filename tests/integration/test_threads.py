@@ -3,8 +3,11 @@ own, losses sent (and waited for) from its training loop, one connection for all
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,7 @@ import torch
 
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
+from loaderd.client.errors import DaemonUnavailableError
 from loaderd.client.protocol import MsgType
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon
@@ -75,3 +79,33 @@ def test_a_prefetch_thread_iterates_while_the_loop_sends_and_flushes_losses(
     ds.flush()
     assert ds.stats()["jobs"]["threads"]["feedback_samples"] == epochs * N_SAMPLES
     ds.close()
+
+
+def test_a_thread_whose_request_a_reset_dropped_leaves_the_new_socket_alone(
+    daemon: Daemon,
+) -> None:
+    assert daemon.proc is not None
+    with Connection(daemon.address, timeout_s=30.0) as conn:
+        conn.request(MsgType.PING, {})
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # nothing is answered until SIGCONT
+        try:
+            first = conn.send(MsgType.PING, {})
+            failed: list[BaseException] = []
+
+            def wait_first() -> None:
+                try:
+                    conn.wait(first)
+                except BaseException as e:
+                    failed.append(e)
+
+            waiting = threading.Thread(target=wait_first)
+            waiting.start()
+            time.sleep(0.2)  # it polls
+            conn.reset()  # as a thread that gave the daemon up does
+            second = conn.send(MsgType.PING, {})
+            waiting.join(10)
+            assert not waiting.is_alive(), "a dropped request's wait ends at once"
+            assert len(failed) == 1 and isinstance(failed[0], DaemonUnavailableError)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert conn.wait(second).type == MsgType.PONG, "the new socket still carries it"
