@@ -251,7 +251,7 @@ class Connection:
 
     def _turns_here(self) -> Turns:
         turns = self._turns
-        if turns.pid != current_pid():  # a forked child: its parent's may be held forever
+        if not turns.usable:  # a forked child (its parent's may be held), or collected
             turns = self._turns = Turns()
         return turns
 

@@ -39,7 +39,15 @@ class Turns:
         self.wake_fd, self._poke_fd = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._poke_fd, False)
-        weakref.finalize(self, _close_fds, self.wake_fd, self._poke_fd)
+        # Closed when these turns are collected. In a reference cycle that may come before a
+        # neighbour's finalizer still sends through the connection: it then makes new turns.
+        self._open = [True]
+        weakref.finalize(self, _close_fds, self._open, self.wake_fd, self._poke_fd)
+
+    @property
+    def usable(self) -> bool:
+        """Whether these are this process's turns and their pipe is open."""
+        return self._open[0] and self.pid == current_pid()
 
     def take(self) -> None:
         """Wait for this thread's turn (at once if it holds it already)."""
@@ -95,7 +103,8 @@ class Turns:
             os.write(self._poke_fd, b"\0")
 
 
-def _close_fds(*fds: int) -> None:
+def _close_fds(open_: list[bool], *fds: int) -> None:
+    open_[0] = False
     for fd in fds:
         with suppress(OSError):
             os.close(fd)

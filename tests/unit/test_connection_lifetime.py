@@ -12,14 +12,22 @@ DROPPED_IN_A_CYCLE = """
 import gc, os, sys, warnings
 warnings.simplefilter("error")
 from loaderd.client.connection import Connection
+from loaderd.client.errors import DaemonUnavailableError
 
 def fds():
     return len(os.listdir("/proc/self/fd"))
 
 class Neighbour:
-    # Like a DataLoader iterator's shutdown, it still sends from its own finalizer.
+    # Like a DataLoader iterator's shutdown, it still sends from its own finalizer, and waits.
     def __del__(self):
         self.conn.send(int(sys.argv[2]), {})
+        try:
+            self.conn.wait(self.conn.send(int(sys.argv[2]), {}), timeout_s=0.05)
+        except DaemonUnavailableError:
+            pass  # nobody answers here
+        # It polled a pipe of its own, not a descriptor the collector closed and zmq reused.
+        wake = os.readlink(f"/proc/self/fd/{self.conn._turns.wake_fd}")
+        assert wake.startswith("pipe:"), wake
 
 before = fds()
 conn = Connection(sys.argv[1], timeout_s=1.0)
