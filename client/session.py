@@ -154,10 +154,11 @@ class Session:
         if self._hello_pid == os.getpid():
             return
         if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
-            self._feedback_lock = threading.RLock()  # a parent's thread may have held it
+            # New, not emptied: a thread of the parent's may have held their locks.
+            self._feedback_lock = threading.RLock()
             self._losses.drop()
-            self._feedback.drop()
-            self._loop_acks.drop()
+            self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)
+            self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)
         meta = {
             "job": self.job,
             "rank": self.rank,

@@ -7,10 +7,13 @@ they are sent and kept here, oldest first; the replies are collected later (when
 its ``RemoteError``. Replies to a socket that was dropped never come: after a reconnect every
 kept request is sent again on the new one (the daemon applies each idempotently, or at worst
 counts one more loss sample).
+
+Thread-safe: the training loop may collect replies while a prefetch thread of its own sends.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,9 @@ class Unconfirmed:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._sent: dict[int, Request] = {}  # request id -> request, oldest first
+        # Held through a wait: two threads collecting the same oldest reply would wait for it
+        # twice, and the second until its timeout.
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._sent)
@@ -48,7 +54,8 @@ class Unconfirmed:
     ) -> None:
         """Send a request without waiting and keep it until its reply is collected."""
         request = Request(type_, meta, frames)
-        self._sent[conn.send(type_, meta, frames)] = request
+        with self._lock:
+            self._sent[conn.send(type_, meta, frames)] = request
 
     def over_limit(self) -> bool:
         """Whether more than ``limit`` are unconfirmed (the caller waits for the oldest)."""
@@ -65,16 +72,19 @@ class Unconfirmed:
             DaemonUnavailableError: no reply; the request is kept (``resend`` after a
                 reconnect).
         """
-        rid, request = next(iter(self._sent.items()))
-        try:
-            conn.wait(rid)
-        except RemoteError as e:
+        with self._lock:
+            if not self._sent:
+                return  # another thread collected it
+            rid, request = next(iter(self._sent.items()))
+            try:
+                conn.wait(rid)
+            except RemoteError as e:
+                del self._sent[rid]
+                if again is None or not again(e):
+                    raise
+                self.send(conn, request.type, request.meta, request.frames)
+                return
             del self._sent[rid]
-            if again is None or not again(e):
-                raise
-            self.send(conn, request.type, request.meta, request.frames)
-            return
-        del self._sent[rid]
 
     def confirm_all(self, conn: Connection) -> None:
         """Wait until every kept request is confirmed (errors as ``confirm_oldest``)."""
@@ -83,17 +93,19 @@ class Unconfirmed:
 
     def resend(self, conn: Connection) -> None:
         """Send every kept request again, on a fresh socket whose replies are still to come."""
-        pending = list(self._sent.values())
-        self._sent.clear()
-        for request in pending:
-            self.send(conn, request.type, request.meta, request.frames)
+        with self._lock:
+            pending = list(self._sent.values())
+            self._sent.clear()
+            for request in pending:
+                self.send(conn, request.type, request.meta, request.frames)
 
     def drop(self, conn: Connection | None = None) -> None:
         """Forget every kept request; with ``conn``, their replies are still read and logged.
 
         Without it: the requests were a parent process's, or the socket they went on is gone.
         """
-        if conn is not None:
-            for rid in self._sent:
-                conn.ignore(rid)
-        self._sent.clear()
+        with self._lock:
+            if conn is not None:
+                for rid in self._sent:
+                    conn.ignore(rid)
+            self._sent.clear()

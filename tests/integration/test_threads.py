@@ -13,11 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from loaderd.client import LoaderdDataset
 from loaderd.client.connection import Connection
 from loaderd.client.errors import DaemonUnavailableError
 from loaderd.client.protocol import MsgType
+from loaderd.client.unconfirmed import Unconfirmed
 from tests.conftest import N_SAMPLES
 from tests.helpers import Daemon
 
@@ -46,16 +48,20 @@ def test_threads_waiting_on_one_connection_each_get_their_own_replies(daemon: Da
     assert errors == []
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_prefetch_thread_iterates_while_the_loop_sends_and_flushes_losses(
-    dataset: tuple[Path, dict[str, np.ndarray]], daemon: Daemon
+    dataset: tuple[Path, dict[str, np.ndarray]], daemon: Daemon, workers: int
 ) -> None:
+    # With DataLoader workers the prefetch thread also sends the loop's acknowledgements,
+    # whose replies the training loop's flush collects.
     images = torch.from_numpy(dataset[1]["image"])
     ds = LoaderdDataset(daemon.address, job="threads", batch_size=16)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
     epochs = 3
 
     def prefetch(out: queue.Queue[object]) -> None:
         try:
-            for batch in ds:
+            for batch in loader:
                 out.put(batch)
         except BaseException as e:
             out.put(e)
@@ -109,3 +115,42 @@ def test_a_thread_whose_request_a_reset_dropped_leaves_the_new_socket_alone(
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         assert conn.wait(second).type == MsgType.PONG, "the new socket still carries it"
+
+
+def test_two_threads_collect_the_replies_of_one_set_of_unconfirmed_requests(
+    daemon: Daemon,
+) -> None:
+    # The loop's acknowledgements: sent by the thread that iterates, collected there and by
+    # the training loop's flush. Both took the same oldest and waited for it twice.
+    errors: list[BaseException] = []
+    done = threading.Event()
+    with Connection(daemon.address, timeout_s=10.0) as conn:
+        unconfirmed = Unconfirmed(limit=2)
+
+        def send() -> None:
+            try:
+                for _ in range(300):
+                    unconfirmed.send(conn, MsgType.PING, {})
+                    if unconfirmed.over_limit():
+                        unconfirmed.confirm_oldest(conn)
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                done.set()
+
+        def collect() -> None:
+            try:
+                while not done.is_set() or len(unconfirmed):
+                    unconfirmed.confirm_all(conn)
+                    time.sleep(0.0005)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=send), threading.Thread(target=collect)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a thread still waits"
+    assert errors == []
+    assert len(unconfirmed) == 0
