@@ -8,6 +8,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,26 +27,35 @@ from tests.helpers import Daemon
 pytestmark = pytest.mark.integration
 
 
+def run_together(*targets: Callable[[], None]) -> list[BaseException]:
+    """Run each target on a thread of its own until all end; what they raised."""
+    errors: list[BaseException] = []
+
+    def run(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread still waits"
+    return errors
+
+
 def test_threads_waiting_on_one_connection_each_get_their_own_replies(daemon: Daemon) -> None:
     # Before turns, a thread polling the socket read the others' replies and kept them while
     # they polled on: each waited out its timeout.
-    errors: list[BaseException] = []
     with Connection(daemon.address, timeout_s=10.0) as conn:
 
-        def ping(n: int) -> None:
-            try:
-                for _ in range(n):
-                    assert conn.request(MsgType.PING, {}).type == MsgType.PONG
-            except BaseException as e:
-                errors.append(e)
+        def ping() -> None:
+            for _ in range(300):
+                assert conn.request(MsgType.PING, {}).type == MsgType.PONG
 
-        threads = [threading.Thread(target=ping, args=(300,)) for _ in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a thread still waits"
-    assert errors == []
+        assert run_together(ping, ping, ping) == []
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -122,7 +132,6 @@ def test_two_threads_collect_the_replies_of_one_set_of_unconfirmed_requests(
 ) -> None:
     # The loop's acknowledgements: sent by the thread that iterates, collected there and by
     # the training loop's flush. Both took the same oldest and waited for it twice.
-    errors: list[BaseException] = []
     done = threading.Event()
     with Connection(daemon.address, timeout_s=10.0) as conn:
         unconfirmed = Unconfirmed(limit=2)
@@ -133,24 +142,13 @@ def test_two_threads_collect_the_replies_of_one_set_of_unconfirmed_requests(
                     unconfirmed.send(conn, MsgType.PING, {})
                     if unconfirmed.over_limit():
                         unconfirmed.confirm_oldest(conn)
-            except BaseException as e:
-                errors.append(e)
             finally:
                 done.set()
 
         def collect() -> None:
-            try:
-                while not done.is_set() or len(unconfirmed):
-                    unconfirmed.confirm_all(conn)
-                    time.sleep(0.0005)
-            except BaseException as e:
-                errors.append(e)
+            while not done.is_set() or len(unconfirmed):
+                unconfirmed.confirm_all(conn)
+                time.sleep(0.0005)
 
-        threads = [threading.Thread(target=send), threading.Thread(target=collect)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a thread still waits"
-    assert errors == []
+        assert run_together(send, collect) == []
     assert len(unconfirmed) == 0
