@@ -714,7 +714,7 @@ class LoaderdDataset(Session, IterableDataset[dict[str, Any]]):
         self._hello_retrying()
         kind = kind or self._phase
         ids, losses = _as_numpy(ids, np.int64), _as_numpy(losses, np.float32)
-        with self._feedback_lock:  # from any thread: the batches may come through another
+        with self._losses_lock:  # from any thread: the batches may come through another
             if len(self._losses) and kind != self._losses.kind:
                 self._send_losses()
             self._losses.add(ids, losses, kind)

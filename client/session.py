@@ -74,8 +74,9 @@ class Session:
         self._instances: set[str] = set()  # every run that did, or that this process met
         self._schema: list[FieldSpec] = []
         self._welcomed = False  # reached the daemon once (here or in a parent process)
-        # Losses may come from a thread other than the one iterating (a prefetch thread).
-        self._feedback_lock = threading.RLock()
+        # Losses may come from a thread other than the one iterating (a prefetch thread);
+        # requests awaiting their OK lock themselves (client/unconfirmed.py).
+        self._losses_lock = threading.RLock()
         self._losses = LossBatcher()  # feedback not sent yet (client/losses.py)
         self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)  # sent, OK not yet read
         self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)  # the same, when workers fetch
@@ -140,9 +141,8 @@ class Session:
         """
         self._send_losses()
         self._confirm_loop_acks()
-        with self._feedback_lock:
-            while self._feedback:
-                self._wait_feedback()
+        while self._feedback:
+            self._wait_feedback()
 
     # --- HELLO --------------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class Session:
             return
         if self._hello_pid != -1:  # requests of the parent process are not ours to wait for
             # New, not emptied: a thread of the parent's may have held their locks.
-            self._feedback_lock = threading.RLock()
+            self._losses_lock = threading.RLock()
             self._losses.drop()
             self._feedback = Unconfirmed(_MAX_FEEDBACK_IN_FLIGHT)
             self._loop_acks = Unconfirmed(_MAX_LOOP_ACKS_IN_FLIGHT)
@@ -224,22 +224,21 @@ class Session:
         self._conn.reset()  # replies to the old socket are lost: their requests go again
         self._hello_pid = -1
         self._hello()
-        with self._feedback_lock:
-            self._feedback.resend(self._conn)
+        self._feedback.resend(self._conn)
         self._loop_acks.resend(self._conn)
 
     # --- requests confirmed later -------------------------------------------------------------
 
     def _send_losses(self) -> None:
         """Send the losses kept (``client/losses.py``) as one FEEDBACK, if any."""
-        with self._feedback_lock:
+        with self._losses_lock:
             if not len(self._losses):
                 return
             kind, ids, losses = self._losses.take()
             meta = {"job": self.job, "kind": kind}
             self._feedback.send(self._conn, MsgType.FEEDBACK, meta, feedback_frames(ids, losses))
-            while self._feedback.over_limit():
-                self._wait_feedback()  # bounded memory, and errors surface
+        while self._feedback.over_limit():
+            self._wait_feedback()  # bounded memory, and errors surface
 
     def _wait_feedback(self) -> None:
         """Wait for the oldest feedback; if the daemon went away, send it all again.
@@ -248,8 +247,7 @@ class Session:
         recorded twice, which only adds one more loss sample to the importance history.
         """
         try:
-            with self._feedback_lock:
-                self._feedback.confirm_oldest(self._conn)  # refused: raised, not sent again
+            self._feedback.confirm_oldest(self._conn)  # refused: raised, not sent again
         except DaemonUnavailableError:
             if self.reconnect_s <= 0:
                 raise
