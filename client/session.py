@@ -144,6 +144,16 @@ class Session:
         while self._feedback:
             self._wait_feedback()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into spawned DataLoader workers: a lock does not travel, the child makes one.
+        state = self.__dict__.copy()
+        del state["_losses_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._losses_lock = threading.RLock()
+
     # --- HELLO --------------------------------------------------------------------------------
 
     def _handover_pid(self) -> int | None:

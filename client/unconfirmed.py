@@ -49,6 +49,15 @@ class Unconfirmed:
     def __len__(self) -> int:
         return len(self._sent)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled with its dataset into spawned DataLoader workers: a lock does not travel.
+        with self._lock:
+            return {"limit": self.limit, "sent": dict(self._sent)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["limit"])  # type: ignore[misc]
+        self._sent.update(state["sent"])
+
     def send(
         self, conn: Connection, type_: MsgType, meta: dict[str, Any], frames: Sequence[Buffer] = ()
     ) -> None:

@@ -58,15 +58,22 @@ def test_threads_waiting_on_one_connection_each_get_their_own_replies(daemon: Da
         assert run_together(ping, ping, ping) == []
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("workers", "start"), [(0, None), (2, "fork"), (2, "spawn")])
 def test_a_prefetch_thread_iterates_while_the_loop_sends_and_flushes_losses(
-    dataset: tuple[Path, dict[str, np.ndarray]], daemon: Daemon, workers: int
+    dataset: tuple[Path, dict[str, np.ndarray]], daemon: Daemon, workers: int, start: str | None
 ) -> None:
     # With DataLoader workers the prefetch thread also sends the loop's acknowledgements,
-    # whose replies the training loop's flush collects.
+    # whose replies the training loop's flush collects. Spawned workers get the dataset
+    # pickled, its locks left behind.
     images = torch.from_numpy(dataset[1]["image"])
     ds = LoaderdDataset(daemon.address, job="threads", batch_size=16)
-    loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        multiprocessing_context=start,
+    )
     epochs = 3
 
     def prefetch(out: queue.Queue[object]) -> None:
