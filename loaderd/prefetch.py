@@ -312,7 +312,21 @@ class Assembler(BatchWriter):
     def assemble_resident(
         self, ids: np.ndarray, weights: np.ndarray, allocate: Allocate | None = None
     ) -> Batch | None:
-        """``assemble``, when DRAM holds every record; None (nothing done) otherwise."""
+        """``assemble``, when DRAM holds every record; None (nothing done) otherwise.
+
+        Records of fixed fields that DRAM holds as views of the store's map are gathered
+        from their addresses (``TierStack.located``): no Python object is touched per
+        record, which at 3 KB cost a hit more than the copy itself.
+        """
+        if not self.layout.variable and row_copy.AVAILABLE:
+            at = self.tiers.located(ids)
+            if at is not None:
+                rows = partial(row_copy.gather_at, *at)
+                return self._placed(
+                    self.frame_sizes(len(ids)),
+                    allocate,
+                    partial(self.fill_read, ids, weights, read_rows=rows),
+                )
         records = self.tiers.resident(ids)
         return None if records is None else self._build(ids, weights, records, allocate)
 
@@ -324,11 +338,20 @@ class Assembler(BatchWriter):
         allocate: Allocate | None,
     ) -> Batch:
         sizes, parts = self.measure(records)
+        return self._placed(sizes, allocate, partial(self.fill, ids, weights, records, parts))
+
+    def _placed(
+        self,
+        sizes: list[int],
+        allocate: Allocate | None,
+        fill: Callable[[list[memoryview]], None],
+    ) -> Batch:
+        """The batch ``fill`` writes into frames of these sizes, from ``allocate`` or fresh."""
         placed = allocate(sizes) if allocate is not None else None
         if placed is None:
             placed = fresh(sizes)
         try:
-            self.fill(ids, weights, records, parts, placed.frames)
+            fill(placed.frames)
         except BaseException:
             if placed.lease is not None:
                 placed.lease.release()

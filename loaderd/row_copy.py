@@ -57,15 +57,13 @@ _LIB = _load()
 AVAILABLE = _LIB is not None
 
 
-def _arguments(records: Sequence[bytes | memoryview], outs: Rows) -> tuple[np.ndarray, np.ndarray]:
-    """The records' addresses and the outputs as (address, offset, width) rows, checked.
+def _table(n: int, shortest: int, outs: Rows) -> np.ndarray:
+    """The outputs as (address, offset, width) rows, checked against n records.
 
     Raises:
-        ValueError: a record too short, or an ``out`` read-only, not contiguous or of the
-            wrong size (nothing is written out of bounds).
+        ValueError: a record too short (``shortest``), or an ``out`` read-only, not
+            contiguous or of the wrong size (nothing is written out of bounds).
     """
-    n = len(records)
-    shortest = min(map(len, records))
     table = np.empty((len(outs), 3), np.uint64)
     for k, (out, offset, width) in enumerate(outs):
         if out.readonly or not out.contiguous:
@@ -76,7 +74,7 @@ def _arguments(records: Sequence[bytes | memoryview], outs: Rows) -> tuple[np.nd
                 f"do not fit a frame of {out.nbytes} B"
             )
         table[k] = (address_of(out), offset, width)
-    return np.fromiter(map(address_of, records), np.uint64, n), table
+    return table
 
 
 def gather(records: Sequence[bytes | memoryview], outs: Rows) -> bool:
@@ -87,18 +85,42 @@ def gather(records: Sequence[bytes | memoryview], outs: Rows) -> bool:
         outs: (``out``, ``offset``, ``width``): ``out`` holds ``len(records)`` rows of ``width``.
 
     Raises:
-        ValueError: see ``_arguments``.
+        ValueError: see ``_table``.
     """
     if _LIB is None:
         return False
-    sources, table = _arguments(records, outs)
-    nbytes = len(records) * sum(w for _, _, w in outs)
+    n = len(records)
+    table = _table(n, min(map(len, records)), outs)
+    _copy(np.fromiter(map(address_of, records), np.uint64, n), table, outs)
+    return True
+
+
+def gather_at(sources: np.ndarray, shortest: int, outs: Rows) -> None:
+    """``gather`` of records given by address: no Python step per record.
+
+    Args:
+        sources: where each record lies in this process's memory (uint64), readable for the
+            call (``DramCache.located``).
+        shortest: the shortest record's length (no row is read past it).
+        outs: as ``gather``'s.
+
+    Raises:
+        ValueError: see ``_table``; RuntimeError: the compiled copy is not built (check
+            ``AVAILABLE`` first).
+    """
+    if _LIB is None:
+        raise RuntimeError("the compiled row copy is not built")
+    _copy(np.ascontiguousarray(sources, np.uint64), _table(len(sources), shortest, outs), outs)
+
+
+def _copy(sources: np.ndarray, table: np.ndarray, outs: Rows) -> None:
+    assert _LIB is not None
+    nbytes = len(sources) * sum(w for _, _, w in outs)
     _LIB.loaderd_gather_rows(
         sources.ctypes.data,
-        len(records),
+        len(sources),
         table.ctypes.data,
         len(outs),
         max(1, min(THREADS, nbytes // THREAD_BYTES)),
         nbytes >= STREAM_BYTES,
     )
-    return True

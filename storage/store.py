@@ -47,10 +47,11 @@ SAMPLES_DB = b"samples"  # the LMDB databases of a store (see the module docstri
 _PAGE = mmap.PAGESIZE  # what the page cache reads and holds of a record: whole pages
 # Smaller records are copied into DRAM rather than held as views of the store's map. Each
 # lock of a record's pages is a system call (``mlock``, ~8 us), dearer than copying less than
-# this. In a map locked whole (``lock_map``) a view costs no system call, and a record of a
-# page or more is held as one: its copy, a first touch of fresh memory, cost the loop ~0.45 us
-# a KiB, and it would be held twice in RAM. Records under a page are copied: copies pack more
-# than one to a page, and hits gather them faster (a view cost 0.4 us more a record a hit).
+# this. In a map locked whole (``lock_map``) a view costs no system call, and its copy, a
+# first touch of fresh memory, cost the loop ~0.45 us a KiB, for a record then held twice in
+# RAM. So every record of fixed fields is held as a view there: hits gather those from their
+# addresses (``DramCache.located``). With variable fields, a record under a page is copied:
+# hits gather views one object at a time, and a view cost 0.4 us more a record a hit.
 PIN_MIN_BYTES = 16 << 10
 VIEW_MIN_BYTES = _PAGE
 _OVERFLOW_HEADER = 16  # an overflow value starts this far into its first page (LMDB 0.9)
@@ -626,10 +627,14 @@ class SampleStore:
         """
         return self.pin_many([record])[0]
 
-    def pin_many(self, records: Sequence[bytes | memoryview]) -> list[Callable[[], None] | None]:
+    def pin_many(
+        self, records: Sequence[bytes | memoryview], addresses: np.ndarray | None = None
+    ) -> list[Callable[[], None] | None]:
         """``pin`` of each record: its unlock, or None where it is to be copied.
 
-        Once the whole map is locked (``lock_map``), a record of ``VIEW_MIN_BYTES`` or more
+        ``addresses``: where each record lies (``address_of``), where the caller has them.
+
+        Once the whole map is locked (``lock_map``), a record of ``copy_below`` or more
         is held as it is: its pages are locked as they are mapped, and they are mapped here,
         for all the records at once (``populate_read``), since a miss worker read them
         through a map of its own; once every page of the map is mapped (``map_loaded``),
@@ -642,12 +647,13 @@ class SampleStore:
         lo, hi = self._map_locked
         n = len(records)
         sizes = np.fromiter(map(len, records), np.int64, n)
-        large = sizes >= VIEW_MIN_BYTES
-        addresses = np.zeros(n, np.int64)  # 0: copied (small, or not of the locked map)
-        addresses[large] = [
-            address_of(r) for r, big in zip(records, large.tolist(), strict=True) if big
-        ]
-        held = (addresses >= lo) & (addresses < hi)
+        large = sizes >= self.copy_below
+        if addresses is None:
+            addresses = np.zeros(n, np.int64)  # 0: copied (small, or not of the locked map)
+            addresses[large] = [
+                address_of(r) for r, big in zip(records, large.tolist(), strict=True) if big
+            ]
+        held = large & (addresses >= lo) & (addresses < hi)
         starts = addresses[held]
         first = starts - starts % self._psize
         if len(first) and not self._map_resident:
@@ -706,7 +712,9 @@ class SampleStore:
     @property
     def copy_below(self) -> int:
         """The size under which ``pin_many`` leaves a record to be copied."""
-        return PIN_MIN_BYTES if self._map_locked is None else VIEW_MIN_BYTES
+        if self._map_locked is None:
+            return PIN_MIN_BYTES
+        return VIEW_MIN_BYTES if self.schema.layout.variable else 0
 
     @property
     def map_resident(self) -> bool:

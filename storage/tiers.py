@@ -36,6 +36,7 @@ from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.map_loader import MEMORY_SHARE, MapLoader
 from loaderd.storage.policies import ARENA, DRAM, Admitted, Move, Policy, make_policy
 from loaderd.storage.store import PIN_MIN_BYTES, SampleStore, memory_available
+from loaderd.storage.syscalls import address_of
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class TierStack:
                 dram,
                 pin=store.pin_many if lock_pages else None,
                 recency=self.policy.overfills_dram,
+                # Records of fixed fields alone can be gathered by address (``located``).
+                located_ids=0 if store.schema.layout.variable else store.num_samples,
             )
         )
         # DRAM can hold it all: no lock per record (``lock_map``), and the whole file
@@ -367,16 +370,18 @@ class TierStack:
         records = list(map(got.__getitem__, moves.ids))
         sizes = list(map(len, records))
         unpins: list[Callable[[], None] | None] | None = None
+        at = None
         if max(sizes) < self.store.copy_below:
             records = own_copies(records)
         elif self.store.map_resident and min(sizes) >= self.store.copy_below:
-            unpins = self.store.pin_many(records)  # views: no system call
+            at = np.fromiter(map(address_of, records), np.int64, len(records))
+            unpins = self.store.pin_many(records, at)  # views: no system call
             if None in unpins:
                 return False  # not of the locked map
         else:
             return False
         with self._lock:
-            for sid in self.dram.put_all(moves.ids, records, unpins):
+            for sid in self.dram.put_all(moves.ids, records, unpins, at):
                 self.policy.forget(sid)  # larger than the tier (a policy's room says no first)
         return True
 
@@ -402,6 +407,26 @@ class TierStack:
             if moves:  # no policy moves a DRAM hit today; one that does is still obeyed
                 self._apply(moves, dict(zip(keys, records, strict=True)))
         return records
+
+    def located(self, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """``resident``, as addresses: where each record lies and the shortest's length.
+
+        None (nothing counted) unless DRAM holds every record as a view of the store's
+        locked map (``DramCache.located``). The addresses stay readable while the store is
+        open, whatever the tier lets go meanwhile: the map's pages hold the same bytes.
+        """
+        with self._lock:
+            if not self.policy.all_in(ids, DRAM):
+                return None
+            at = self.dram.located(ids)
+            if at is None:
+                return None
+            keys = ids.tolist()
+            moves = self.policy.hit_all(keys, DRAM)
+            if moves:  # as in ``resident``, with the records the moves need (DRAM has each)
+                records = self.dram.get_all(keys, count=False) or []
+                self._apply(moves, dict(zip(keys, records, strict=True)))
+        return at
 
     def _verify(self, missing: list[int], got: dict[int, Record]) -> None:
         """Check the checksums of records read from the store (once per tier crossing)."""

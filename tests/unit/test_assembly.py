@@ -131,3 +131,30 @@ def test_a_batchs_frame_bytes_follow_from_its_records_total_length() -> None:
         ]
         sizes, _ = writer.measure(records)
         assert writer.frame_bytes(n, sum(map(len, records))) == sum(sizes)
+
+
+def test_hits_of_views_of_a_locked_map_are_gathered_by_address(tmp_path: Path) -> None:
+    """Records of fixed fields held as views of the locked map (a DRAM tier that holds the
+    store): a hit batch is copied from their addresses, and holds the store's bytes."""
+    small = Schema((Field("image", "uint8", (3000,)), Field("label", "int64")))
+    rng = np.random.default_rng(9)
+    images = [rng.integers(0, 256, 3000, dtype=np.uint8) for _ in range(N)]
+    codec = RecordCodec(small)
+    with StoreWriter(tmp_path / "s.db", small) as w:
+        w.append(codec.encode({"image": images[i], "label": i}) for i in range(N))
+    store = SampleStore(tmp_path / "s.db")
+    with TierStack(store, 1 << 22) as stack:
+        if not store.map_locked:
+            pytest.skip("this process may not lock the store's map in RAM")
+        assembler = Assembler(stack, small)
+        every = np.arange(N)
+        assembler.assemble(every, np.ones(N, np.float32))  # misses: admitted as views
+        for _ in range(4):
+            ids = rng.integers(0, N, 9)
+            assert stack.located(ids) is not None  # the path this hit takes
+            hits = stack.stats()["cache"]["hits"]
+            batch = assembler.assemble_resident(ids, np.full(len(ids), 0.5, np.float32))
+            assert batch is not None and stack.stats()["cache"]["hits"] == hits + len(ids)
+            assert (np.asarray(batch.columns["image"]) == np.stack([images[i] for i in ids])).all()
+            assert np.asarray(batch.columns["label"]).tolist() == ids.tolist()
+            assert np.asarray(batch.weights).tolist() == [0.5] * len(ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
@@ -18,6 +19,7 @@ from loaderd.storage.policies import DRAM
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import VIEW_MIN_BYTES, SampleStore
 from loaderd.storage.store_writer import StoreWriter
+from loaderd.storage.syscalls import address_of
 from loaderd.storage.tiers import TierStack
 from tests.helpers import wait_until
 
@@ -299,6 +301,68 @@ def test_a_locked_map_holds_records_with_pages_of_their_own_as_views(
         assert [type(held[i]) for i in held] == [memoryview if i % 2 else bytes for i in held]
         assert stack.dram.pinned == 6
         assert stack.get_many(np.array([15, 2, 3])) == [truth[15], truth[2], truth[3]]
+
+
+def _locking(views: object) -> list[object]:
+    """A ``pin`` that holds every view (the store's map stays mapped in these tests)."""
+    return [lambda: None for _ in views]  # type: ignore[attr-defined]
+
+
+def test_located_tells_where_views_lie_and_nothing_else() -> None:
+    """Addresses for a batch of views only, counted as hits; a copy, an id let go, an id past
+    the table or an LRU tier (hits must reorder it) give None and count nothing."""
+    buf = np.arange(1 << 16, dtype=np.uint8) % 251
+    views = [memoryview(buf)[i * 4096 : i * 4096 + 3000 - i] for i in range(4)]
+    c = DramCache(1 << 20, pin=_locking, recency=False, located_ids=6)
+    assert c.located(np.array([0])) is None  # nothing held yet
+    assert c.put_all([0, 1, 2], views[:3], [held for _, held in c.hold_many(views[:3])]) == []
+    assert c.put(3, views[3], c.hold(views[3])) and c.put(4, rec(4, 5000))
+    assert c.pinned == 4
+    got = c.located(np.array([3, 0, 1]))
+    assert got is not None
+    at, shortest = got
+    assert at.dtype == np.uint64 and shortest == 2997
+    assert at.tolist() == [address_of(views[i]) for i in (3, 0, 1)]
+    assert c.hits == 3
+    for ids in ([0, 4], [0, 6], [0, -1], []):  # a copy; past the table; none
+        assert c.located(np.array(ids, np.int64)) is None
+    c.discard(1)
+    assert c.located(np.array([1])) is None and c.located(np.array([0, 2])) is not None
+    c.clear()
+    assert c.located(np.array([0])) is None and c.hits == 5
+    lru = DramCache(1 << 20, pin=_locking, located_ids=6)
+    lru.put(0, views[0])
+    assert lru.pinned == 1 and lru.located(np.array([0])) is None
+
+
+FIXED = Schema((Field("image", "uint8", (2990,)), Field("label", "int64")))
+
+
+def test_a_locked_map_holds_small_records_of_fixed_fields_as_views(tmp_path: Path) -> None:
+    """Records under a page, of fixed fields: held as views of the locked map, not copied,
+    and ``located`` gives the addresses of the store's bytes."""
+    path = tmp_path / "fixed"
+    codec = RecordCodec(FIXED)
+    rng = np.random.default_rng(3)
+    with StoreWriter(path, FIXED) as w:
+        w.append(
+            codec.encode({"image": rng.integers(0, 256, 2990, dtype=np.uint8), "label": i})
+            for i in range(40)
+        )
+    with SampleStore(path) as s, TierStack(s, 1 << 22) as stack:
+        truth = s.get_many(range(40))
+        if not s.map_locked:
+            pytest.skip("this process may not lock the store's map in RAM")
+        wait_until(lambda: s.map_resident, what="the whole store mapped")
+        ids = np.array([7, 3, 31, 12])
+        assert stack.get_many(ids) == [truth[i] for i in ids]
+        assert all(isinstance(stack.dram._items[i], memoryview) for i in ids)
+        got = stack.located(np.array([31, 7]))
+        assert got is not None
+        at, shortest = got
+        assert shortest == len(truth[7])
+        assert [ctypes.string_at(int(a), shortest) for a in at] == [truth[31], truth[7]]
+        assert stack.located(np.array([31, 8])) is None  # 8 is not held
 
 
 def test_tier_stack_serves_the_store_bytes_and_counts(store_path: Path) -> None:
