@@ -1,0 +1,148 @@
+"""A/B of the daemon's files against a commit: fresh daemons, the two versions in turn.
+
+On a shared machine only same-run ratios mean anything, and a run of ``bench_throughput.py``
+takes most of an hour. This measures one change in minutes: the named files of the working
+tree and of ``--base`` are swapped in, one version after the other (ABBA order), each time
+under a fresh daemon over the same store, with the page cache held warm. Per daemon: its
+first epoch (warm miss: DRAM empty), the best of ``--epochs`` later ones (hits) and its peak
+RSS; a DataLoader (num_workers=0) over the same store at the start and the end.
+
+The working tree's versions of the files are put back whatever happens (an error, Ctrl-C,
+SIGTERM). Writes ``results/<--name>.json`` and ``.md``. Example:
+
+    python benchmarks/bench_ab.py --base HEAD --files storage/dram.py storage/tiers.py \\
+        --sizes 3000 100000 --name my_change
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from _baselines import BATCH, dataloader, held_in_cache
+from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
+from bench_throughput import Context, run_epoch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SIDES = ("base", "change")
+
+
+def swapper(base: str, files: list[str], stack: ExitStack) -> dict[str, Path]:
+    """A folder of each side's files; the working tree's are put back when ``stack`` closes."""
+    keep = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ab-")))
+    sides = {side: keep / side for side in SIDES}
+    for f in files:
+        for side in SIDES:
+            (sides[side] / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, sides["change"] / f)
+        old = subprocess.run(
+            ["git", "show", f"{base}:{f}"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        (sides["base"] / f).write_bytes(old)
+    stack.callback(put, sides["change"], files)  # runs before the folder is removed
+    return sides
+
+
+def put(side: Path, files: list[str]) -> None:
+    for f in files:
+        shutil.copy2(side / f, ROOT / f)
+
+
+def one_daemon(ctx: Context, db: Path, epochs: int) -> dict[str, float]:
+    from loaderd.client import LoaderdDataset
+
+    srv = ctx.serve(db, int((db / "data.mdb").stat().st_size * 1.5))
+    try:
+        ds = LoaderdDataset(srv.address, job="ab", batch_size=BATCH, prefetch=8)
+        ds.connect()
+        miss = run_epoch(ds, srv)
+        hit = max(run_epoch(ds, srv) for _ in range(epochs))
+        ds.close()
+    finally:
+        ctx.stop(srv)
+    return {"warm miss": round(miss), "hit": round(hit), "rss_mib": srv.peak_rss >> 20}
+
+
+def bench_size(
+    ctx: Context, sides: dict[str, Path], files: list[str], size: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    n = args.samples or max(64 * 200, args.store_mb * 1_000_000 // size)
+    db = make_store(ctx.root, n, size)
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    loaders = []
+    with held_in_cache([db / "data.mdb"]):
+        loaders.append(round(dataloader(db, 0, args.epochs, cold=False)["warm"]))
+        for k in range(args.pairs):
+            for side in SIDES if k % 2 == 0 else SIDES[::-1]:
+                put(sides[side], files)
+                runs[side].append(one_daemon(ctx, db, args.epochs))
+                print(json.dumps({"size": size, "side": side, **runs[side][-1]}), flush=True)
+        put(sides["change"], files)
+        loaders.append(round(dataloader(db, 0, args.epochs, cold=False)["warm"]))
+    return {"sample_bytes": size, "samples": n, "dataloader_nw0": loaders, **runs}
+
+
+def markdown(
+    rows: list[dict[str, Any]], info: dict[str, Any], command: str, args: argparse.Namespace
+) -> str:
+    lines = [
+        *header(f"A/B: {', '.join(args.files)} against {args.base}", info, command),
+        "Fresh daemons over one warm store, the two versions of the files in turn (ABBA). "
+        "Warm miss: a daemon's first epoch; hit: its best later epoch; samples/s, batch 64; "
+        "RSS: the daemon's peak. Each cell: the median, then every run in order.",
+        "",
+        "| sample | side | warm miss | hit | daemon RSS MiB |",
+        "|---:|---|---|---|---|",
+    ]
+    for r in rows:
+        for side in SIDES:
+            cells = [
+                f"{median(x[k] for x in r[side]):,.0f} ({', '.join(f'{x[k]:,}' for x in r[side])})"
+                for k in ("warm miss", "hit", "rss_mib")
+            ]
+            lines.append(f"| {r['sample_bytes']:,} B | {side} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| | DataLoader nw=0 | {', '.join(f'{x:,}' for x in r['dataloader_nw0'])} | | |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    info = machine()
+    with ExitStack() as stack:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        sides = swapper(args.base, args.files, stack)
+        ctx = Context(args, stack)
+        rows = [bench_size(ctx, sides, args.files, size, args) for size in args.sizes]
+    write_results(args.out, args.name, info, rows, lambda cmd: markdown(rows, info, cmd, args))
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--base", required=True, help="the commit the change is measured against")
+    p.add_argument("--files", nargs="+", required=True, help="the files swapped, from the root")
+    p.add_argument("--sizes", type=int, nargs="+", default=[3_000, 100_000])
+    p.add_argument("--samples", type=int, default=0, help="0: about --store-mb of data")
+    p.add_argument("--store-mb", type=int, default=300)
+    p.add_argument("--pairs", type=int, default=3, help="daemons of each side")
+    p.add_argument("--epochs", type=int, default=3, help="hit epochs a daemon; the best counts")
+    p.add_argument("--name", default="ab")
+    p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.set_defaults(profile=False, shm_slots=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
