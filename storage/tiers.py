@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from loaderd.storage.store import PIN_MIN_BYTES, SampleStore, memory_available
 from loaderd.storage.syscalls import address_of
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Share of the arena's log the policy may fill: the rest is slack for the ring's dead records,
 # so that relocating live records ahead of the head stays cheap (write amplification <= 4).
@@ -396,17 +397,7 @@ class TierStack:
         lock, no store transaction. The records are the tier's own (verified when admitted,
         immutable while held); a concurrent eviction leaves the caller a valid record.
         """
-        keys = ids.tolist()
-        with self._lock:
-            if not self.policy.all_in(ids, DRAM):
-                return None
-            records = self.dram.get_all(keys)
-            if records is None:
-                return None
-            moves = self.policy.hit_all(keys, DRAM)
-            if moves:  # no policy moves a DRAM hit today; one that does is still obeyed
-                self._apply(moves, dict(zip(keys, records, strict=True)))
-        return records
+        return self._dram_hits(ids, self.dram.get_all)
 
     def located(self, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
         """``resident``, as addresses: where each record lies and the shortest's length.
@@ -415,18 +406,22 @@ class TierStack:
         locked map (``DramCache.located``). The addresses stay readable while the store is
         open, whatever the tier lets go meanwhile: the map's pages hold the same bytes.
         """
+        return self._dram_hits(ids, lambda _: self.dram.located(ids))
+
+    def _dram_hits(self, ids: np.ndarray, take: Callable[[list[int]], _T | None]) -> _T | None:
+        """What ``take`` gives of a batch DRAM holds whole, counted as hits; else None."""
+        keys = ids.tolist()
         with self._lock:
             if not self.policy.all_in(ids, DRAM):
                 return None
-            at = self.dram.located(ids)
-            if at is None:
+            got = take(keys)
+            if got is None:
                 return None
-            keys = ids.tolist()
             moves = self.policy.hit_all(keys, DRAM)
-            if moves:  # as in ``resident``, with the records the moves need (DRAM has each)
+            if moves:  # no policy moves a DRAM hit today; one that does is still obeyed
                 records = self.dram.get_all(keys, count=False) or []
                 self._apply(moves, dict(zip(keys, records, strict=True)))
-        return at
+        return got
 
     def _verify(self, missing: list[int], got: dict[int, Record]) -> None:
         """Check the checksums of records read from the store (once per tier crossing)."""
