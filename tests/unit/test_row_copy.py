@@ -76,6 +76,19 @@ def test_a_frame_that_does_not_fit_is_refused_and_left_untouched() -> None:
         row_copy.gather(records, [(memoryview(bytes(4 * 30)), 10, 30)])
 
 
+def test_records_given_by_address_are_gathered_and_checked_the_same() -> None:
+    records = [bytes(range(i, i + 50)) for i in range(5)]
+    arrays = [np.frombuffer(r, np.uint8) for r in records]
+    at = np.array([a.ctypes.data for a in arrays[::-1]], np.uint64)
+    out = memoryview(bytearray(5 * 20))
+    row_copy.gather_at(at, 50, [(out, 30, 20)])
+    assert bytes(out) == python_rows(records[::-1], 30, 20)
+    untouched = memoryview(bytearray(5 * 20))
+    with pytest.raises(ValueError, match=r"shortest 49 B"):  # a row past the shortest record
+        row_copy.gather_at(at, 49, [(untouched, 30, 20)])
+    assert not any(untouched)
+
+
 def test_without_the_library_rows_are_copied_from_python(monkeypatch: pytest.MonkeyPatch) -> None:
     records = [bytes(range(i, i + 200)) * 100 for i in range(3)]  # 20 KB: past the join
     monkeypatch.setattr(row_copy, "_LIB", None)
