@@ -92,7 +92,7 @@ class DramCache:
         self.recency = recency
         self._items: OrderedDict[int, Record] = OrderedDict()
         self._unpin: dict[int, Callable[[], None]] = {}
-        self._located_ids = located_ids if pin is not None and not recency else 0
+        self._located_ids = located_ids if pin is not None else 0
         self._at: np.ndarray | None = None  # per id: a locked view's address (0: none), length
         self._lock = threading.Lock()
 
@@ -135,8 +135,8 @@ class DramCache:
         """Where every record lies, when each is held as a locked view; None otherwise.
 
         For a gather from those addresses with no Python step per record (``get_all``'s
-        objects cost a hit of 3 KB records more than their copy). Counted as ``get_all``
-        counts. Returns:
+        objects cost a hit of 3 KB records more than their copy). Marked and counted as
+        ``get_all`` marks and counts. Returns:
             The addresses (uint64, in the batch's order) and the shortest record's length.
         """
         at = self._at
@@ -149,8 +149,15 @@ class DramCache:
             rows = at[ids]
             if not rows[:, 0].all():
                 return None
+            if self.recency:
+                deque(map(self._items.move_to_end, ids.tolist()), 0)
             self.hits += len(ids)
         return rows[:, 0].astype(np.uint64), int(rows[:, 1].min())
+
+    @property
+    def locates(self) -> bool:
+        """Whether ``located`` may find anything: the tier holds, or held, a locked view."""
+        return self._at is not None
 
     def _locate(
         self,

@@ -714,7 +714,17 @@ class SampleStore:
         """The size under which ``pin_many`` leaves a record to be copied."""
         if self._map_locked is None:
             return PIN_MIN_BYTES
-        return VIEW_MIN_BYTES if self.schema.layout.variable else 0
+        return 0 if self.gathers_by_address else VIEW_MIN_BYTES
+
+    @property
+    def gathers_by_address(self) -> bool:
+        """Whether a batch of these records can be copied from their addresses alone.
+
+        Records of fixed fields only: the rows of each lie at the same offsets. The DRAM
+        tier keeps where its views of them lie (``DramCache.located``), so in a map locked
+        whole any of them is held as a view (``copy_below``).
+        """
+        return not self.schema.layout.variable
 
     @property
     def map_resident(self) -> bool:

@@ -143,8 +143,7 @@ class TierStack:
                 dram,
                 pin=store.pin_many if lock_pages else None,
                 recency=self.policy.overfills_dram,
-                # Records of fixed fields alone can be gathered by address (``located``).
-                located_ids=0 if store.schema.layout.variable else store.num_samples,
+                located_ids=store.num_samples if store.gathers_by_address else 0,
             )
         )
         # DRAM can hold it all: no lock per record (``lock_map``), and the whole file
@@ -406,6 +405,8 @@ class TierStack:
         locked map (``DramCache.located``). The addresses stay readable while the store is
         open, whatever the tier lets go meanwhile: the map's pages hold the same bytes.
         """
+        if not self.dram.locates:  # no view held: no lock taken, nothing counted
+            return None
         return self._dram_hits(ids, lambda _: self.dram.located(ids))
 
     def _dram_hits(self, ids: np.ndarray, take: Callable[[list[int]], _T | None]) -> _T | None:

@@ -309,8 +309,8 @@ def _locking(views: object) -> list[object]:
 
 
 def test_located_tells_where_views_lie_and_nothing_else() -> None:
-    """Addresses for a batch of views only, counted as hits; a copy, an id let go, an id past
-    the table or an LRU tier (hits must reorder it) give None and count nothing."""
+    """Addresses for a batch of views only, counted as hits; a copy, an id let go or an id
+    past the table give None and count nothing. An LRU tier's order is kept as by hits."""
     buf = np.arange(1 << 16, dtype=np.uint8) % 251
     views = [memoryview(buf)[i * 4096 : i * 4096 + 3000 - i] for i in range(4)]
     c = DramCache(1 << 20, pin=_locking, recency=False, located_ids=6)
@@ -330,9 +330,12 @@ def test_located_tells_where_views_lie_and_nothing_else() -> None:
     assert c.located(np.array([1])) is None and c.located(np.array([0, 2])) is not None
     c.clear()
     assert c.located(np.array([0])) is None and c.hits == 5
-    lru = DramCache(1 << 20, pin=_locking, located_ids=6)
-    lru.put(0, views[0])
-    assert lru.pinned == 1 and lru.located(np.array([0])) is None
+    lru = DramCache(3 * 3000, pin=_locking, located_ids=6)
+    for i in range(3):
+        lru.put(i, views[i])
+    assert lru.located(np.array([0])) is not None  # 0 is now the most recently used
+    lru.put(3, views[3])  # evicts the least recently used: 1
+    assert 1 not in lru and 0 in lru and lru.located(np.array([1])) is None
 
 
 FIXED = Schema((Field("image", "uint8", (2990,)), Field("label", "int64")))
