@@ -46,6 +46,10 @@ _P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2 = 0x01, 0x02, 0x04, 0x08, 0x2
 _F_BIGDATA, _F_SUBDATA = 0x01, 0x02
 _U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 _MAX_DEPTH = 32
+# Pages of a level read at once: that many reads in flight, and that much memory. A level is
+# read a part at a time because its leaves hold the records of a store of small ones (values
+# in their leaf pages): read whole, a 400 MB store of 1 KB records held 400 MB of pages.
+_PAGES_AT_ONCE = 256
 
 
 class _Unreadable(Exception):
@@ -190,21 +194,19 @@ class _Walker:
         inner = [0, 1]  # the meta pages: a read transaction starts from them
         pointer_leaves: list[int] = []
         for _ in range(_MAX_DEPTH):
-            pages = self._read_pages(level)
             children: list[int] = []
-            leaves: list[tuple[int, bytes]] = []
-            for pgno, page in zip(level, pages, strict=True):
-                flags = _U16.unpack_from(page, _HDR - 6)[0]
-                if flags & _P_BRANCH:
-                    children += self._branch_children(page)
-                    inner.append(pgno)
-                elif flags & _P_LEAF and not flags & _P_LEAF2:
-                    leaves.append((pgno, page))
-                else:
-                    raise _Unreadable(f"page {pgno} is neither branch nor leaf (0x{flags:x})")
-            for pgno, page in leaves:
-                if self._leaf_values(pgno, page, offsets, lengths, node_at):
-                    pointer_leaves.append(pgno)  # no record's advice reads it
+            for lo in range(0, len(level), _PAGES_AT_ONCE):
+                part = level[lo : lo + _PAGES_AT_ONCE]
+                for pgno, page in zip(part, self._read_pages(part), strict=True):
+                    flags = _U16.unpack_from(page, _HDR - 6)[0]
+                    if flags & _P_BRANCH:
+                        children += self._branch_children(page)
+                        inner.append(pgno)
+                    elif flags & _P_LEAF and not flags & _P_LEAF2:
+                        if self._leaf_values(pgno, page, offsets, lengths, node_at):
+                            pointer_leaves.append(pgno)  # no record's advice reads it
+                    else:
+                        raise _Unreadable(f"page {pgno} is neither branch nor leaf (0x{flags:x})")
             if not children:
                 break
             level = children

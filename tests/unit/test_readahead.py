@@ -16,7 +16,7 @@ import pytest
 
 from loaderd.planner import RankPlan, plan_pass
 from loaderd.readahead import ReadAhead
-from loaderd.storage import syscalls
+from loaderd.storage import syscalls, value_index
 from loaderd.storage.dram import DramCache
 from loaderd.storage.errors import CorruptRecordError
 from loaderd.storage.prefault import Prefault
@@ -95,6 +95,33 @@ def test_leaves_that_hold_records_are_not_tree_pages(tmp_path: Path) -> None:
         assert not len(index.leaf_pages)
         assert not holding & set(index.inner_pages.tolist())
         assert 2 < len(index.inner_pages) < 2 + len(holding) // 10  # meta, root, a few branches
+
+
+def test_the_walk_reads_a_level_a_part_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leaves of a store of small records hold the records: the walk reads them a part at
+    a time, never the whole level (a store of 1 KB records was held whole in memory)."""
+    schema = Schema((Field("blob", "binary"), Field("label", "int64")))
+    codec = RecordCodec(schema)
+    rng = np.random.default_rng(5)
+    with StoreWriter(tmp_path / "s.db", schema) as w:
+        w.append(codec.encode({"blob": rng.bytes(1000), "label": i}) for i in range(3000))
+    asked: list[int] = []
+    read_pages = value_index._Walker._read_pages
+
+    def counted(walker: value_index._Walker, pgnos: list[int]) -> list[bytes]:
+        asked.append(len(pgnos))
+        return read_pages(walker, pgnos)
+
+    monkeypatch.setattr(value_index._Walker, "_read_pages", counted)
+    index = build_value_index(tmp_path / "s.db" / "data.mdb", b"samples", 3000)
+    assert index is not None
+    assert max(asked) == value_index._PAGES_AT_ONCE < sum(asked) // 3  # 1,000 leaves or so
+    with SampleStore(tmp_path / "s.db") as store, open(tmp_path / "s.db" / "data.mdb", "rb") as f:
+        for sid in rng.choice(3000, 50, replace=False).tolist():
+            rec = store.get(sid)
+            assert os.pread(f.fileno(), len(rec), int(index.offsets[sid])) == rec
 
 
 def test_leaves_of_pointers_are_asked_for_only_within_their_share(tmp_path: Path) -> None:
