@@ -4,7 +4,9 @@ A record is held either as bytes of its own, or, when it came from the store and
 can lock its pages in RAM (``storage/pinning.py``), as a view of those pages: admitted without
 a copy, unlocked when it leaves the tier. Where each view lies is kept in a table by sample id
 too (``located``): a batch of them is gathered from those addresses in one compiled call,
-without a Python object touched per record.
+without a Python object touched per record. A view whose pages stay locked as long as the
+store is open (its map locked whole) is kept as that row alone, with no object of its own:
+it is made again from its address when asked for.
 """
 
 from __future__ import annotations
@@ -17,12 +19,19 @@ from typing import Any, cast
 
 import numpy as np
 
+from loaderd.storage.pinning import still_locked
 from loaderd.storage.syscalls import address_of
 
 Record = bytes | memoryview
 # Locks views' pages in RAM: for each, its unlock, or None (then it is copied).
 Pin = Callable[[Sequence[memoryview]], "list[Callable[[], None] | None]"]
 Held = tuple[Record, "Callable[[], None] | None"]  # what the tier keeps, and its unlock
+ViewAt = Callable[[int, int], memoryview]  # (address, length): a view of the store's map
+
+# What the tier keeps of a record held by its row of the address table alone (``_placed``).
+# The same object for every record: an entry costs the tier ~120 bytes (its place in the
+# LRU order and the row), against ~390 with a view and an unlock of its own.
+_PLACED = 0
 
 
 # A copy at least this large is made by numpy, which lets go of the GIL for it.
@@ -70,6 +79,9 @@ class DramCache:
         located_ids: sample ids below this have the address and length of a record held as
             a locked view kept in a table (16 bytes an id, made at the first such record),
             for ``located``; 0: none.
+        view_at: a view of the store's map at an address. With it, a view among those ids
+            whose unlock is ``still_locked`` is kept as its row of the table alone, and made
+            again from it when asked for.
     """
 
     name = "dram"
@@ -81,6 +93,7 @@ class DramCache:
         *,
         recency: bool = True,
         located_ids: int = 0,
+        view_at: ViewAt | None = None,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"`capacity_bytes` must be >= 0, got {capacity_bytes}")
@@ -90,9 +103,11 @@ class DramCache:
         self.pinned = 0  # records held as locked views of the store's pages
         self._pin = pin
         self.recency = recency
-        self._items: OrderedDict[int, Record] = OrderedDict()
-        self._unpin: dict[int, Callable[[], None]] = {}
+        self._items: OrderedDict[int, Record | int] = OrderedDict()  # or ``_PLACED``
+        self._unpin: dict[int, Callable[[], None]] = {}  # of views not ``_PLACED``
         self._located_ids = located_ids if pin is not None else 0
+        self._view_at = view_at if self._located_ids else None
+        self._placed_count = 0
         self._at: np.ndarray | None = None  # per id: a locked view's address (0: none), length
         self._lock = threading.Lock()
 
@@ -106,7 +121,19 @@ class DramCache:
             if self.recency:
                 self._items.move_to_end(sample_id)
             self.hits += 1
-            return rec
+            return self._record(sample_id, rec)
+
+    def peek(self, sample_id: int) -> Record | None:
+        """The record, neither marked nor counted; None if absent."""
+        with self._lock:
+            kept = self._items.get(sample_id)
+            return None if kept is None else self._record(sample_id, kept)
+
+    def holds_view(self, sample_id: int) -> bool:
+        """Whether the record is held as the store's locked pages (a view), not a copy."""
+        with self._lock:
+            kept = self._items.get(sample_id)
+            return kept is not None and (type(kept) is int or sample_id in self._unpin)
 
     def get_all(self, sample_ids: list[int], *, count: bool = True) -> list[Record] | None:
         """Every record, marked most recently used, under one lock; None if one is missing.
@@ -115,7 +142,7 @@ class DramCache:
         Without ``recency``, nothing is marked; without ``count``, no hit is counted (the
         caller counted them: ``located``).
         """
-        fetch: Callable[[OrderedDict[int, Record]], tuple[Record, ...]] = (
+        fetch: Callable[[OrderedDict[int, Record | int]], tuple[Record | int, ...]] = (
             itemgetter(*sample_ids)
             if len(sample_ids) > 1  # of one key, ``itemgetter`` returns the value, no tuple
             else lambda items: tuple(items[s] for s in sample_ids)
@@ -123,13 +150,15 @@ class DramCache:
         with self._lock:
             items = self._items
             try:
-                got: list[Record] = list(fetch(items))  # in C: no Python step per record
+                got: list[Record | int] = list(fetch(items))  # in C: no Python step per record
             except KeyError:
                 return None
             if self.recency:
                 deque(map(items.move_to_end, sample_ids), 0)  # in C too, in the batch's order
             self.hits += len(got) if count else 0
-            return got
+            if self._placed_count and got.count(_PLACED):
+                return self._records(sample_ids, got)
+            return cast("list[Record]", got)
 
     def located(self, sample_ids: np.ndarray) -> tuple[np.ndarray, int] | None:
         """Where every record lies, when each is held as a locked view; None otherwise.
@@ -217,12 +246,11 @@ class DramCache:
             while self.used_bytes + size > self.capacity_bytes:
                 self._drop(next(iter(self._items)))
                 self.evictions += 1
-            self._items[sample_id] = record
             self.used_bytes += size
-            if unpin is not None:
-                self._unpin[sample_id] = unpin
-                self.pinned += 1
-                self._locate([sample_id], [record])
+            if unpin is None:
+                self._items[sample_id] = record
+                return True
+            self._hold_views([sample_id], [record], [unpin], None)
             return True
 
     def put_many(self, held: dict[int, Held]) -> list[int]:
@@ -257,9 +285,10 @@ class DramCache:
                 while self.used_bytes + size > self.capacity_bytes:
                     self._drop(next(iter(items)))
                     self.evictions += 1
-                items.update(zip(sample_ids, records, strict=True))
                 self.used_bytes += size
-                if unpins is not None:  # (none given: records of their own, no step each)
+                if unpins is None:  # records of their own: no step each
+                    items.update(zip(sample_ids, records, strict=True))
+                else:
                     self._hold_views(sample_ids, records, unpins, addresses)
         if whole:
             return []
@@ -277,33 +306,98 @@ class DramCache:
         unpins: list[Callable[[], None] | None],
         addresses: np.ndarray | None,
     ) -> None:
-        """Keep the unlocks of the views among records just put, and where they lie."""
-        if None in unpins:  # copies among them: keep the views' alone
+        """Put records just held: distinct ids, in order, under the lock.
+
+        Copies as they are; views with their unlocks and where they lie, or as that alone
+        (``_placed``).
+        """
+        placed = self._placed(sample_ids, unpins)
+        if placed.all():  # a batch of a map locked whole: no Python step per record
+            self._items.update(dict.fromkeys(sample_ids, _PLACED))
+            self._placed_count += len(sample_ids)
+            self.pinned += len(sample_ids)
+            self._locate(sample_ids, records, addresses)
+            return
+        flags = placed.tolist()
+        self._items.update(
+            zip(
+                sample_ids,
+                [_PLACED if p else r for p, r in zip(flags, records, strict=True)],
+                strict=True,
+            )
+        )
+        self._placed_count += sum(flags)
+        self._unpin.update(
+            (s, u)
+            for s, u, p in zip(sample_ids, unpins, flags, strict=True)
+            if u is not None and not p
+        )
+        if None in unpins:  # copies among them: locate the views alone
             kept = [k for k, unpin in enumerate(unpins) if unpin is not None]
             sample_ids = [sample_ids[k] for k in kept]
             records = [records[k] for k in kept]
-            unpins = [unpins[k] for k in kept]
             addresses = None if addresses is None else addresses[kept]
-        self._unpin.update(zip(sample_ids, cast("list[Callable[[], None]]", unpins), strict=True))
-        self.pinned += len(unpins)
+        self.pinned += len(sample_ids)
         self._locate(sample_ids, records, addresses)
+
+    def _placed(self, sample_ids: list[int], unpins: list[Callable[[], None] | None]) -> np.ndarray:
+        """Which records are kept as their row of the address table alone.
+
+        Views whose pages stay locked as long as the store is open (``still_locked``), of
+        ids in the table.
+        """
+        n = len(unpins)
+        if self._view_at is None or not n:
+            return np.zeros(n, bool)
+        if unpins.count(still_locked) == n:  # in C: the usual batch
+            locked = np.ones(n, bool)
+        else:
+            locked = np.fromiter((u is still_locked for u in unpins), bool, n)
+        ids = np.asarray(sample_ids, np.int64)
+        return locked & (ids >= 0) & (ids < self._located_ids)
+
+    def _records(self, sample_ids: list[int], kept: list[Record | int]) -> list[Record]:
+        """``_record`` of each (the lock is held); of a batch kept as rows, from one lookup."""
+        if kept.count(_PLACED) < len(kept):
+            return [self._record(s, k) for s, k in zip(sample_ids, kept, strict=True)]
+        assert self._at is not None and self._view_at is not None
+        view_at = self._view_at
+        return [view_at(a, n) for a, n in self._at[sample_ids].tolist()]
+
+    def _record(self, sample_id: int, kept: Record | int) -> Record:
+        """The record the tier keeps as ``kept`` (the lock is held)."""
+        if type(kept) is not int:
+            return cast("Record", kept)
+        assert self._at is not None and self._view_at is not None  # ``_placed`` made it so
+        address, length = self._at[sample_id].tolist()
+        return self._view_at(address, length)
 
     def discard(self, sample_id: int) -> Record | None:
         """Remove a record without counting an eviction; returns it, or None if absent."""
         with self._lock:
-            return self._drop(sample_id)
+            kept = self._items.get(sample_id)
+            rec = None if kept is None else self._record(sample_id, kept)  # before its row goes
+            self._drop(sample_id)
+            return rec
 
-    def _drop(self, sample_id: int) -> Record | None:
-        rec = self._items.pop(sample_id, None)
-        if rec is not None:
-            self.used_bytes -= len(rec)
-            unpin = self._unpin.pop(sample_id, None)
-            if unpin is not None:
-                unpin()
-                self.pinned -= 1
-                if self._at is not None and 0 <= sample_id < len(self._at):
-                    self._at[sample_id, 0] = 0
-        return rec
+    def _drop(self, sample_id: int) -> None:
+        kept = self._items.pop(sample_id, None)
+        if kept is None:
+            return
+        if type(kept) is int:  # ``_PLACED``: its row says how long it is
+            assert self._at is not None
+            self.used_bytes -= int(self._at[sample_id, 1])
+            self._at[sample_id, 0] = 0
+            self._placed_count -= 1
+            self.pinned -= 1
+            return
+        self.used_bytes -= len(cast("Record", kept))
+        unpin = self._unpin.pop(sample_id, None)
+        if unpin is not None:
+            unpin()
+            self.pinned -= 1
+            if self._at is not None and 0 <= sample_id < len(self._at):
+                self._at[sample_id, 0] = 0
 
     def clear(self) -> None:
         """Drop every record (before the store's map goes away)."""

@@ -22,6 +22,14 @@ from loaderd.storage.syscalls import mlock, munlock
 logger = logging.getLogger(__name__)
 
 
+def still_locked() -> None:
+    """The unlock of a record whose pages stay locked as long as the store is open.
+
+    Its map is locked whole (``SampleStore.lock_map``): nothing to undo. The DRAM tier keeps
+    no object for such a record, only where it lies (``DramCache``).
+    """
+
+
 class PageLocks:
     """``mlock`` / ``munlock`` of page ranges, switched off for good at the first refusal."""
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from loaderd.storage.errors import CorruptRecordError, NotAStoreError
 from loaderd.storage.map_slices import MapSlices, map_view
-from loaderd.storage.pinning import PageLocks
+from loaderd.storage.pinning import PageLocks, still_locked
 from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import STORED_VERSION, Schema, verify_all
 from loaderd.storage.residency import ResidencyProbe
@@ -334,6 +334,17 @@ class SampleStore:
         """This process's map of data.mdb up to the file's end (the store is not written)."""
         base = self._map_start
         return None if base is None else map_view(base, self.file_bytes)
+
+    def view_at(self, address: int, length: int) -> memoryview:
+        """The ``length`` bytes at ``address`` of this process's map of data.mdb.
+
+        Gives back a record the DRAM tier keeps only as where it lies (``address_of`` of a
+        view of the map); valid while the store is open.
+        """
+        whole, base = self._whole_map, self._map_start
+        if whole is None or base is None or not 0 <= address - base <= len(whole) - length:
+            raise ValueError(f"store {self.path}: no record of its map at {address:#x}")
+        return whole[address - base : address - base + length]
 
     def file_offsets(self, views: Sequence[bytes | memoryview]) -> np.ndarray | None:
         """Where in data.mdb each view (from ``views``) starts; None where that is unknown.
@@ -658,7 +669,7 @@ class SampleStore:
         first = starts - starts % self._psize
         if len(first) and not self._map_resident:
             populate_read(first, starts + sizes[held] - first)  # else on first touch
-        return [_still_locked if h else None for h in held.tolist()]
+        return [still_locked if h else None for h in held.tolist()]
 
     def _pin_one(self, record: bytes | memoryview) -> Callable[[], None] | None:
         """``mlock`` of an overflow record's own pages (the map is not locked whole)."""
@@ -822,10 +833,6 @@ class SampleStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _still_locked() -> None:
-    """``pin``'s unlock for a record of a map locked whole: nothing to undo."""
 
 
 def memory_available() -> int:

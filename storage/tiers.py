@@ -142,8 +142,9 @@ class TierStack:
             else DramCache(
                 dram,
                 pin=store.pin_many if lock_pages else None,
+                view_at=store.view_at,
                 recency=self.policy.overfills_dram,
-                located_ids=store.num_samples if store.gathers_by_address else 0,
+                located_ids=store.num_samples,
             )
         )
         # DRAM can hold it all: no lock per record (``lock_map``), and the whole file

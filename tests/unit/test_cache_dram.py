@@ -15,6 +15,7 @@ import pytest
 from loaderd.storage.admission import BACKGROUND_NICE
 from loaderd.storage.arena import Arena
 from loaderd.storage.dram import DramCache, own_copies
+from loaderd.storage.pinning import still_locked
 from loaderd.storage.policies import DRAM
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store import VIEW_MIN_BYTES, SampleStore
@@ -75,7 +76,7 @@ def test_byte_bound_holds_and_evictions_count() -> None:
         assert c.put(i, rec(i, size))
         admitted += 1
         assert c.used_bytes <= 1000
-        assert c.used_bytes == sum(len(c._items[k]) for k in c._items)
+        assert c.used_bytes == sum(len(c.peek(k) or b"") for k in c._items)
     assert c.evictions == admitted - len(c)
     assert c.stats()["evictions"] == c.evictions
 
@@ -143,8 +144,8 @@ def test_a_batch_put_whole_leaves_what_one_put_after_another_leaves() -> None:
         if step % 5 == 0:
             whole.get(int(sids[0])), single.get(int(sids[0]))  # a hit reorders both alike
         assert list(whole._items) == list(single._items)
-        assert [bytes(whole._items[s]) for s in whole._items] == [
-            bytes(single._items[s]) for s in single._items
+        assert [bytes(whole.peek(s) or b"") for s in whole._items] == [
+            bytes(single.peek(s) or b"") for s in single._items
         ]
         w, o = whole.stats(), single.stats()
         assert (w["used_bytes"], w["evictions"], w["pinned"]) == (
@@ -236,7 +237,7 @@ def test_a_batch_another_process_read_is_counted_as_if_read_here(
             assert st["hits"] > 0 and st["misses"] > 100 and st["items"] > 10  # a full tier
             assert set(there.dram._items) == set(here.dram._items)
             for sid in there.dram._items:
-                assert bytes(there.dram._items[sid]) == truth[sid]
+                assert bytes(there.dram.peek(sid) or b"") == truth[sid]
 
 
 def test_small_records_another_process_read_are_held_as_copies_of_their_own(
@@ -269,9 +270,9 @@ def test_small_records_another_process_read_are_held_as_copies_of_their_own(
         assert index is not None
         ids = np.arange(4)
         stack.read_elsewhere(ids, index.offsets[ids], index.lengths[ids].astype(np.int64))
-        assert [bytes(stack.dram._items[i]) for i in ids] == big
+        assert [bytes(stack.dram.peek(i) or b"") for i in ids] == big
         if stack.dram.pinned:  # where the kernel lets this process lock pages
-            assert all(isinstance(stack.dram._items[i], memoryview) for i in ids)
+            assert all(stack.dram.holds_view(i) for i in ids)
 
 
 @pytest.mark.parametrize("load_map", [True, False])
@@ -295,10 +296,11 @@ def test_a_locked_map_holds_records_with_pages_of_their_own_as_views(
         # large ones, small ones, each admitted whole; then some of a mixed batch
         for ids in (np.array([1, 3, 5, 7]), np.array([0, 2, 4, 6]), np.array([9, 8, 15, 12])):
             stack.read_elsewhere(ids, index.offsets[ids], index.lengths[ids].astype(np.int64))
-        held = stack.dram._items
+        dram = stack.dram
+        held = list(dram._items)
         assert sorted(held) == [*range(10), 12, 15]
-        assert [bytes(held[i]) for i in held] == [truth[i] for i in held]
-        assert [type(held[i]) for i in held] == [memoryview if i % 2 else bytes for i in held]
+        assert [bytes(dram.peek(i) or b"") for i in held] == [truth[i] for i in held]
+        assert [dram.holds_view(i) for i in held] == [i % 2 == 1 for i in held]
         assert stack.dram.pinned == 6
         assert stack.get_many(np.array([15, 2, 3])) == [truth[15], truth[2], truth[3]]
 
@@ -306,6 +308,43 @@ def test_a_locked_map_holds_records_with_pages_of_their_own_as_views(
 def _locking(views: object) -> list[object]:
     """A ``pin`` that holds every view (the store's map stays mapped in these tests)."""
     return [lambda: None for _ in views]  # type: ignore[attr-defined]
+
+
+def test_views_locked_while_the_store_is_open_are_kept_as_where_they_lie() -> None:
+    """A view whose unlock is ``still_locked`` is kept as its row of the address table, with
+    no object of its own, and given back as the same bytes by every path; let go, its row
+    is cleared. One of an id past the table is kept as the view it is."""
+    buf = (np.arange(1 << 16) % 251).astype(np.uint8)
+    whole = memoryview(buf)
+    base = address_of(whole)
+    views = [whole[i * 4096 : i * 4096 + 3000 - i] for i in range(5)]
+    views.append(whole[5 * 4096 : 5 * 4096 + 3500])
+    truth = [bytes(v) for v in views]
+    c = DramCache(
+        sum(map(len, views[:5])),
+        pin=lambda vs: [still_locked] * len(vs),
+        recency=True,
+        located_ids=5,
+        view_at=lambda a, n: whole[a - base : a - base + n],
+    )
+    assert c.put_all([0, 1, 2], views[:3], [still_locked] * 3) == []
+    assert c.put(3, views[3], c.hold(views[3])) and c.put(9, views[4], c.hold(views[4]))
+    assert not any(isinstance(c._items[i], memoryview) for i in range(4))
+    assert isinstance(c._items[9], memoryview)  # past the table: the view itself
+    assert all(c.holds_view(i) for i in (0, 1, 2, 3, 9)) and c.pinned == 5
+    assert [bytes(c.peek(i) or b"") for i in range(4)] == truth[:4]
+    assert [bytes(r) for r in c.get_all([3, 9, 0]) or []] == [truth[3], truth[4], truth[0]]
+    assert bytes(c.get(2) or b"") == truth[2]
+    assert c.used_bytes == sum(map(len, truth[:5]))
+    assert bytes(c.discard(1) or b"") == truth[1]  # given back before its row is cleared
+    assert c.located(np.array([1])) is None and c.pinned == 4 and 1 not in c
+    assert c.used_bytes == sum(map(len, truth[:5])) - len(truth[1])
+    # room for a larger sixth view takes out the least recently used: 3 (then 9, 0, 2)
+    assert c.put(4, views[5], c.hold(views[5])) and 3 not in c and c.evictions == 1
+    assert c.located(np.array([3])) is None and bytes(c.get(4) or b"") == truth[5]
+    assert c.used_bytes == sum(len(truth[i]) for i in (0, 2, 4, 5))
+    c.clear()
+    assert c.used_bytes == 0 and c.pinned == 0 and c.located(np.array([2])) is None
 
 
 def test_located_tells_where_views_lie_and_nothing_else() -> None:
@@ -359,7 +398,7 @@ def test_a_locked_map_holds_small_records_of_fixed_fields_as_views(tmp_path: Pat
         wait_until(lambda: s.map_resident, what="the whole store mapped")
         ids = np.array([7, 3, 31, 12])
         assert stack.get_many(ids) == [truth[i] for i in ids]
-        assert all(isinstance(stack.dram._items[i], memoryview) for i in ids)
+        assert all(stack.dram.holds_view(i) for i in ids)
         got = stack.located(np.array([31, 7]))
         assert got is not None
         at, shortest = got
