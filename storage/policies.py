@@ -50,6 +50,7 @@ class Admitted(list[Move]):
 
 DRAM: Final = 0
 ARENA: Final = 1
+_NOWHERE: Final = 0xFF  # the tier byte of an id no tier holds (-1 as int8)
 POLICIES: Final = ("importance", "lru", "static")
 
 
@@ -92,24 +93,28 @@ class Policy:
         self.evictions = [0] * n
         self.promotions = [0] * n
         self.demotions = [0] * n
-        self._where: dict[int, int] = {}
-        # The same placement as an array (tier per id, -1: none), for whole-batch queries in
-        # one numpy step; it mirrors ``_where`` for ids 0 .. N-1 (``_add`` and ``_remove``
-        # keep both), and a batch with any other id is answered from ``_where``.
-        self._tier = np.full(num_samples, -1, np.int8)
+        # Where each id is held: a byte an id for 0 .. N-1 (255: nowhere), read one id at a
+        # time as a bytearray and a batch at once as an int8 array over the same memory (-1:
+        # nowhere); a dict for any other id. A dict for every id cost ~75 bytes an id.
+        self._tier_of = bytearray(b"\xff") * num_samples
+        self._tier = np.frombuffer(self._tier_of, np.int8)
+        self._other: dict[int, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
     def lookup(self, sample_id: int) -> int | None:
         """The tier that holds ``sample_id``, or None."""
-        return self._where.get(sample_id)
+        if 0 <= sample_id < len(self._tier_of):
+            tier = self._tier_of[sample_id]
+            return None if tier == _NOWHERE else tier
+        return self._other.get(sample_id)
 
     def lookup_many(self, sample_ids: np.ndarray) -> np.ndarray:
         """The tier that holds each of ``sample_ids`` (-1: none), int8, in one step."""
         ids = np.asarray(sample_ids, dtype=np.int64)
         if ids.size == 0 or (ids.min() >= 0 and ids.max() < len(self._tier)):
             return self._tier[ids]
-        get = self._where.get
+        get = self.lookup
         return np.fromiter((-1 if (t := get(i)) is None else t for i in ids.tolist()), np.int8)
 
     def all_in(self, sample_ids: Sequence[int] | np.ndarray, tier: int) -> bool:
@@ -120,7 +125,7 @@ class Policy:
         return bool((self.lookup_many(ids) == tier).all())
 
     def __len__(self) -> int:
-        return len(self._where)
+        return sum(map(len, self.held))
 
     def room(self, tier: int, size: int) -> bool:
         """Whether ``size`` more bytes fit in ``tier`` without evicting anything."""
@@ -141,7 +146,7 @@ class Policy:
         Returns:
             Moves for the tier stack, in the order they must be applied.
         """
-        tier = self._where.get(sample_id)
+        tier = self.lookup(sample_id)
         src = tier if isinstance(found, _Unset) else found
         top = len(self.capacities) if src is None else src
         for t in range(top):
@@ -246,14 +251,14 @@ class Policy:
 
     def adopt(self, sample_id: int, size: int, tier: int) -> bool:
         """Register a record a tier already holds (a warm restart); False if it does not fit."""
-        if sample_id in self._where or not self.room(tier, size):
+        if self.lookup(sample_id) is not None or not self.room(tier, size):
             return False
         self._add(sample_id, size, tier)
         return True
 
     def forget(self, sample_id: int) -> None:
         """A tier lost the record (a bad checksum, or the arena's ring overwrote it)."""
-        tier = self._where.get(sample_id)
+        tier = self.lookup(sample_id)
         if tier is not None:
             self._remove(sample_id)
             self.evictions[tier] += 1
@@ -294,27 +299,36 @@ class Policy:
     def _add(self, sample_id: int, size: int, tier: int) -> None:
         self.held[tier][sample_id] = size
         self.used[tier] += size
-        self._where[sample_id] = tier
-        if 0 <= sample_id < len(self._tier):
-            self._tier[sample_id] = tier
+        if 0 <= sample_id < len(self._tier_of):
+            self._tier_of[sample_id] = tier
+        else:
+            self._other[sample_id] = tier
 
     def _add_many(self, sample_ids: list[int], sizes: list[int], tier: int) -> None:
         """``_add`` of each, in order, in a few calls."""
         self.held[tier].update(zip(sample_ids, sizes, strict=True))
         self.used[tier] += sum(sizes)
-        self._where.update(dict.fromkeys(sample_ids, tier))
         ids = np.asarray(sample_ids, np.int64)
-        self._tier[ids[(ids >= 0) & (ids < len(self._tier))]] = tier
+        inside = (ids >= 0) & (ids < len(self._tier))
+        self._tier[ids[inside]] = tier
+        if not inside.all():
+            self._other.update(dict.fromkeys(ids[~inside].tolist(), tier))
 
     def _remove(self, sample_id: int) -> int:
-        tier = self._where.pop(sample_id)
+        tier = self.lookup(sample_id)
+        if tier is None:
+            raise KeyError(sample_id)
         self.used[tier] -= self.held[tier].pop(sample_id)
-        if 0 <= sample_id < len(self._tier):
-            self._tier[sample_id] = -1
+        if 0 <= sample_id < len(self._tier_of):
+            self._tier_of[sample_id] = _NOWHERE
+        else:
+            del self._other[sample_id]
         return tier
 
     def _move(self, sample_id: int, to: int) -> Move:
-        frm = self._where[sample_id]
+        frm = self.lookup(sample_id)
+        if frm is None:
+            raise KeyError(sample_id)
         size = self.held[frm][sample_id]
         self._remove(sample_id)
         self._add(sample_id, size, to)
