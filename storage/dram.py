@@ -103,7 +103,12 @@ class DramCache:
         self.pinned = 0  # records held as locked views of the store's pages
         self._pin = pin
         self.recency = recency
-        self._items: OrderedDict[int, Record | int] = OrderedDict()  # or ``_PLACED``
+        # By use where a hit marks it (an LRU), else by admission, which a plain dict keeps
+        # for ~90 bytes an entry less than an OrderedDict. A value may be ``_PLACED``.
+        self._items: dict[int, Record | int] = OrderedDict() if recency else {}
+        self._touch: Callable[[int], None] | None = (
+            cast("OrderedDict[int, Record | int]", self._items).move_to_end if recency else None
+        )
         self._unpin: dict[int, Callable[[], None]] = {}  # of views not ``_PLACED``
         self._located_ids = located_ids if pin is not None else 0
         self._view_at = view_at if self._located_ids else None
@@ -118,8 +123,8 @@ class DramCache:
             if rec is None:
                 self.misses += 1
                 return None
-            if self.recency:
-                self._items.move_to_end(sample_id)
+            if self._touch is not None:
+                self._touch(sample_id)
             self.hits += 1
             return self._record(sample_id, rec)
 
@@ -142,7 +147,7 @@ class DramCache:
         Without ``recency``, nothing is marked; without ``count``, no hit is counted (the
         caller counted them: ``located``).
         """
-        fetch: Callable[[OrderedDict[int, Record | int]], tuple[Record | int, ...]] = (
+        fetch: Callable[[dict[int, Record | int]], tuple[Record | int, ...]] = (
             itemgetter(*sample_ids)
             if len(sample_ids) > 1  # of one key, ``itemgetter`` returns the value, no tuple
             else lambda items: tuple(items[s] for s in sample_ids)
@@ -153,8 +158,8 @@ class DramCache:
                 got: list[Record | int] = list(fetch(items))  # in C: no Python step per record
             except KeyError:
                 return None
-            if self.recency:
-                deque(map(items.move_to_end, sample_ids), 0)  # in C too, in the batch's order
+            if self._touch is not None:
+                deque(map(self._touch, sample_ids), 0)  # in C too, in the batch's order
             self.hits += len(got) if count else 0
             if self._placed_count and got.count(_PLACED):
                 return self._records(sample_ids, got)
@@ -178,8 +183,8 @@ class DramCache:
             rows = at[ids]
             if not rows[:, 0].all():
                 return None
-            if self.recency:
-                deque(map(self._items.move_to_end, ids.tolist()), 0)
+            if self._touch is not None:
+                deque(map(self._touch, ids.tolist()), 0)
             self.hits += len(ids)
         return rows[:, 0].astype(np.uint64), int(rows[:, 1].min())
 
