@@ -305,10 +305,7 @@ class Policy:
     def _add(self, sample_id: int, size: int, tier: int) -> None:
         self.held[tier][sample_id] = size
         self.used[tier] += size
-        if 0 <= sample_id < len(self._tier_of):
-            self._tier_of[sample_id] = tier
-        else:
-            self._other[sample_id] = tier
+        self._set_tier(sample_id, tier)
 
     def _add_many(self, sample_ids: list[int], sizes: list[int], tier: int) -> None:
         """``_add`` of each, in order, in a few calls."""
@@ -325,11 +322,17 @@ class Policy:
         if tier is None:
             raise KeyError(sample_id)
         self.used[tier] -= self.held[tier].pop(sample_id)
-        if 0 <= sample_id < len(self._tier_of):
-            self._tier_of[sample_id] = _NOWHERE
-        else:
-            del self._other[sample_id]
+        self._set_tier(sample_id, _NOWHERE)
         return tier
+
+    def _set_tier(self, sample_id: int, tier: int) -> None:
+        """Record where ``sample_id`` is held (``_NOWHERE``: no tier)."""
+        if 0 <= sample_id < len(self._tier_of):
+            self._tier_of[sample_id] = tier
+        elif tier == _NOWHERE:
+            self._other.pop(sample_id, None)
+        else:
+            self._other[sample_id] = tier
 
     def _move(self, sample_id: int, to: int) -> Move:
         frm = self.lookup(sample_id)
