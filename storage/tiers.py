@@ -23,7 +23,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
@@ -338,6 +338,18 @@ class TierStack:
                         found[sid] = self.policy.lookup(sid)  # a repeat counts where it is now
         if verify:
             self._verify(missing, got)
+        # A record read from a tier that the batch's own misses pushed out (an LRU's, before
+        # a later id of the batch came to it) is admitted again. Where ``got`` lacks it (read
+        # elsewhere), it is taken from the store, as that read was.
+        again = [s for k, s, _ in moves if k == "admit" and s not in got] if found else []
+        with ExitStack() as stack:
+            if again:
+                views = stack.enter_context(self.store.views(again, verified=False))
+                got = {**got, **dict(zip(again, views, strict=True))}
+            self._carry_out(moves, got)
+
+    def _carry_out(self, moves: list[Move], got: dict[int, Record]) -> None:
+        """Admit, drop and move records as the policy's ``moves`` say (``got``: the records)."""
         if moves and not self._admit_all(got, moves):
             # Locking pages (or copying) for DRAM is the slow part of an admission: done
             # before taking the lock, so that assembly threads overlap it; with a queue,

@@ -275,6 +275,32 @@ def test_small_records_another_process_read_are_held_as_copies_of_their_own(
             assert all(stack.dram.holds_view(i) for i in ids)
 
 
+def test_a_record_the_batch_pushed_out_of_an_lru_is_admitted_again_from_the_store(
+    store_path: Path,
+) -> None:
+    """Read elsewhere, a batch's misses come first: admitting them pushes out of a full LRU
+    tier a record a later id of the batch was found in. That id's access admits it again,
+    with the store's bytes (it failed the batch: the read had no bytes of it)."""
+    with SampleStore(store_path) as s:
+        truth = s.get_many(range(100))
+        index = s.value_index
+        assert index is not None
+        size = len(truth[0])  # ids that are multiples of 7 have records of one size
+        with TierStack(s, 4 * size, policy="lru", load_map=False) as stack:
+
+            def read_elsewhere(ids: list[int]) -> None:
+                at = np.array(ids)
+                stack.read_elsewhere(at, index.offsets[at], index.lengths[at].astype(np.int64))
+
+            read_elsewhere([0, 7, 14, 21])  # the tier is full, 0 least recently used
+            read_elsewhere([28, 35, 0])  # 28 pushes 0 out, 35 pushes 7, then 0 comes back
+            assert list(stack.dram._items) == [21, 28, 35, 0]
+            assert [bytes(stack.dram.peek(i) or b"") for i in (21, 28, 35, 0)] == [
+                truth[i] for i in (21, 28, 35, 0)
+            ]
+            assert stack.dram.used_bytes == stack.policy.stats(DRAM)["used_bytes"] == 4 * size
+
+
 @pytest.mark.parametrize("load_map", [True, False])
 def test_a_locked_map_holds_records_with_pages_of_their_own_as_views(
     tmp_path: Path, load_map: bool
