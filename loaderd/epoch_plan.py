@@ -7,9 +7,10 @@ in a cluster of daemons, the pass the cluster decided (the ``source`` hook of
 - the barriers, pure checks over the ranks' pass states: a pass planned from losses waits until
   every rank has left the epoch before (``check_left``), and a selecting epoch waits until every
   rank re-scored it (``check_rescored``); a cluster's barriers span every node and are its own;
-- the selections: an epoch's selection is computed once, persisted as ``selection-<epoch>.npz``
-  and shared by all ranks; the newest ``keep_selections`` are kept, so a checkpoint that old
-  replays its epoch exactly (``check_replayable``);
+- the selections: an epoch's selection is computed once and shared by all ranks; one that
+  chose (not every sample) is persisted as ``selection-<epoch>.npz``, and the newest
+  ``keep_selections`` are kept, so a checkpoint that old replays its epoch exactly
+  (``check_replayable``);
 - the plan cache: ``plan_pass`` over a pass's inputs, once per (epoch, phase) for every rank.
 
 Nothing here runs until a pass is opened or asked for: restoring a job plans nothing.
@@ -100,8 +101,8 @@ class EpochPlanner:
         source: decides the passes instead of ``engine`` (a cluster of daemons: its barrier
             spans every node's ranks, so the planner's own barriers are off).
         keep_selections: the newest epochs whose selections are kept.
-        on_selection: called after a new selection is persisted (the job snapshots its engine,
-            whose state the selection moved).
+        on_selection: called with the epoch of a new selection, before it is persisted (the
+            job journals what the selection did to its engine).
     """
 
     def __init__(
@@ -116,7 +117,7 @@ class EpochPlanner:
         state_dir: Path | None,
         source: PassSource | None = None,
         keep_selections: int = 4,
-        on_selection: Callable[[], None] | None = None,
+        on_selection: Callable[[int], None] | None = None,
     ) -> None:
         if keep_selections < 1:
             raise ValueError(f"`keep_selections` must be >= 1, got {keep_selections}")
@@ -311,9 +312,11 @@ class EpochPlanner:
             else:
                 sel = pass_inputs(self.engine, self.seed, epoch, "train")
                 if path is not None:
-                    _save_arrays(path, {"ids": sel[0], "weights": sel[1]})
                     if self._on_selection is not None:
-                        self._on_selection()
+                        self._on_selection(epoch)
+                    # One of every sample is (seed, epoch)'s alone: made again the same.
+                    if not self.engine.selects_all(epoch):
+                        _save_arrays(path, {"ids": sel[0], "weights": sel[1]})
             self._selections[epoch] = sel
             self._forget_old_selections()
         return sel

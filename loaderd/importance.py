@@ -462,11 +462,27 @@ class ImportanceEngine:
                     top = max(0, round(free))
                     share = share if top > 0 else min(share, keep / self._n)
                 ids, weights, cut = select_infobatch(self._last_loss, top, share, rng)
-        self._selected_epoch = epoch
-        self._selected = int(ids.size)
-        self._keep_threshold = cut
+        self.selected(epoch, int(ids.size), cut)
         logger.debug("epoch %d: selected %d of %d samples", epoch, ids.size, self._n)
         return ids, weights
+
+    def selected(self, epoch: int, count: int, cut: float) -> None:
+        """Leave the state ``select`` leaves, from what it decided (a journal's replay).
+
+        A selection moves the groups to ``epoch`` and records its count and cut; replayed in
+        its place among the feedback, it leaves the engine as ``select`` did, without
+        choosing again.
+        """
+        self._epoch = max(self._epoch, epoch)
+        self._ensure_groups(epoch)
+        self._selected_epoch = epoch
+        self._selected = count
+        self._keep_threshold = cut
+
+    @property
+    def last_selection(self) -> tuple[int, int, float]:
+        """(epoch, count, cut) of the latest selection, as ``selected`` takes them."""
+        return self._selected_epoch, self._selected, float(self._keep_threshold)
 
     def _keep_count(self) -> int:
         """How many samples a selecting epoch trains (after its groups are current)."""

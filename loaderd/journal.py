@@ -3,6 +3,9 @@
 Feedback arrives far more often than the engine's state is worth rewriting, so each FEEDBACK
 is appended here (a few dozen bytes of header plus the arrays) and the engine's arrays are
 snapshotted now and then; a restart loads the snapshot and replays the journal written since.
+An epoch's selection moves the engine too (its groups, its counters): it is journalled as
+what was decided (``SelectionEntry``), in its place among the feedback, so that the epoch's
+start writes a few dozen bytes instead of a snapshot.
 A torn tail (the daemon killed mid-append) fails its checksum and is cut off at open.
 """
 
@@ -28,9 +31,12 @@ from loaderd.storage.safe_files import write_atomic as safe_write_atomic
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"LDFJ"
-# magic, epoch, kind (0 train, 1 rescore), count, xxh3 of the payload that follows
+# magic, epoch, kind (0 train, 1 rescore, 2 selection), count, xxh3 of the payload that
+# follows: ids and losses (12 bytes a sample), or a selection's count and cut (16 bytes).
 _ENTRY = struct.Struct("<4siBxxxIQ")
 _KINDS = ("train", "rescore")
+_SELECTION = len(_KINDS)
+_SELECTED = struct.Struct("<qd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +49,21 @@ class FeedbackEntry:
     losses: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class SelectionEntry:
+    """An epoch's selection as journalled: how many samples it kept, and at what loss."""
+
+    epoch: int
+    selected: int
+    cut: float
+
+
 class JournalWriteError(StorageError):
     """A feedback entry could not be made durable (a full disk, an I/O error)."""
 
 
 class FeedbackJournal:
-    """Append-only file of feedback entries. Not thread-safe: the server loop owns it.
+    """Append-only file of feedback and selection entries. Not thread-safe: the loop owns it.
 
     Each entry is written straight to the file (no user-space buffer), so a full disk is
     reported by the append that meets it, and the file is cut back to the end of the last
@@ -71,9 +86,14 @@ class FeedbackJournal:
             np.ascontiguousarray(ids, np.int64).tobytes()
             + np.ascontiguousarray(losses, np.float32).tobytes()
         )
-        head = _ENTRY.pack(
-            _MAGIC, epoch, _KINDS.index(kind), len(ids), xxhash.xxh3_64_intdigest(payload)
-        )
+        self._write(epoch, _KINDS.index(kind), len(ids), payload)
+
+    def append_selection(self, epoch: int, selected: int, cut: float) -> None:
+        """Append an epoch's selection (``ImportanceEngine.last_selection``); see ``append``."""
+        self._write(epoch, _SELECTION, 0, _SELECTED.pack(selected, cut))
+
+    def _write(self, epoch: int, kind: int, count: int, payload: bytes) -> None:
+        head = _ENTRY.pack(_MAGIC, epoch, kind, count, xxhash.xxh3_64_intdigest(payload))
         entry = memoryview(head + payload)
         try:
             while entry:
@@ -133,7 +153,7 @@ class FeedbackJournal:
                 self._fd = -1
 
     @staticmethod
-    def replay(path: Path) -> Iterator[FeedbackEntry]:
+    def replay(path: Path) -> Iterator[FeedbackEntry | SelectionEntry]:
         """Yield whole entries in order; cut the file at the first torn or corrupt one."""
         if not path.exists():
             return
@@ -141,15 +161,18 @@ class FeedbackJournal:
         pos = 0
         while pos + _ENTRY.size <= len(data):
             magic, epoch, kind, n, digest = _ENTRY.unpack_from(data, pos)
-            end = pos + _ENTRY.size + 12 * n
+            end = pos + _ENTRY.size + (_SELECTED.size if kind == _SELECTION else 12 * n)
             payload = data[pos + _ENTRY.size : end]
-            if magic != _MAGIC or kind >= len(_KINDS) or end > len(data):
+            if magic != _MAGIC or kind > _SELECTION or end > len(data):
                 break
             if xxhash.xxh3_64_intdigest(payload) != digest:
                 break
-            ids = np.frombuffer(payload, np.int64, n)
-            losses = np.frombuffer(payload, np.float32, n, 8 * n)
-            yield FeedbackEntry(epoch, _KINDS[kind], ids, losses)
+            if kind == _SELECTION:
+                yield SelectionEntry(epoch, *_SELECTED.unpack(payload))
+            else:
+                ids = np.frombuffer(payload, np.int64, n)
+                losses = np.frombuffer(payload, np.float32, n, 8 * n)
+                yield FeedbackEntry(epoch, _KINDS[kind], ids, losses)
             pos = end
         if pos < len(data):
             logger.warning(

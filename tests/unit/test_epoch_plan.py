@@ -11,6 +11,7 @@ import pytest
 from loaderd.epoch_plan import NotReady
 from loaderd.importance import ImportanceConfig, ImportanceEngine
 from loaderd.jobs import Job, JobSpec
+from loaderd.journal import FeedbackJournal, SelectionEntry
 from loaderd.pass_state import PassState
 
 N = 40
@@ -117,7 +118,25 @@ def test_restoring_a_job_plans_nothing(tmp_path: Path, phase: str) -> None:
         again.close()
 
 
-def test_a_restored_job_trains_on_exactly_as_an_uninterrupted_one(tmp_path: Path) -> None:
+def kill(job: Job) -> None:
+    """What a daemon killed after its last tick leaves: the files as they are, nothing more."""
+    job.save()
+    assert job.journal is not None and job.cursor_log is not None
+    job.journal.close()
+    job.cursor_log.close()
+
+
+def assert_same_engine(a: Job, b: Job) -> None:
+    sa, sb = a.engine.state_dict(), b.engine.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+@pytest.mark.parametrize("stop", ["close", "kill"])
+def test_a_restored_job_trains_on_exactly_as_an_uninterrupted_one(
+    tmp_path: Path, stop: str
+) -> None:
     plain = make_job(tmp_path / "plain")
     cut = tmp_path / "cut"
     job = make_job(cut)
@@ -125,14 +144,63 @@ def test_a_restored_job_trains_on_exactly_as_an_uninterrupted_one(tmp_path: Path
         for epoch in range(WARMUP + 3):
             run_epoch(plain, epoch)
             run_epoch(job, epoch)
-            job.close()  # and back, every epoch
+            job.close() if stop == "close" else kill(job)  # and back, every epoch
             job = make_job(cut)
+            assert_same_engine(plain, job)  # the selections' moves too, replayed from the journal
         assert plain.epoch == job.epoch == WARMUP + 2
         for epoch in range(WARMUP, WARMUP + 3):
             np.testing.assert_array_equal(plain.selection(epoch)[0], job.selection(epoch)[0])
     finally:
         plain.close()
         job.close()
+
+
+def test_an_epoch_start_journals_its_selection_and_snapshots_nothing(tmp_path: Path) -> None:
+    job = make_job(tmp_path)
+    try:
+        for epoch in range(WARMUP + 1):
+            run_epoch(job, epoch)
+        assert not (tmp_path / "importance.npz").exists()
+        # the warm-up epochs train every sample: (seed, epoch) make them again, nothing is kept
+        assert [p.name for p in tmp_path.glob("selection-*.npz")] == [f"selection-{WARMUP}.npz"]
+        log = list(FeedbackJournal.replay(tmp_path / "feedback.log"))
+        selections = [e for e in log if isinstance(e, SelectionEntry)]
+        assert [e.epoch for e in selections] == list(range(WARMUP + 1))
+        assert selections[-1].selected == len(job.selection(WARMUP)[0]) < N
+        assert selections[-1].cut == job.engine.last_selection[2]
+    finally:
+        job.close()
+    assert (tmp_path / "importance.npz").exists()  # a clean stop snapshots
+
+
+def test_a_job_killed_in_a_selected_epoch_restarts_as_it_stood(tmp_path: Path) -> None:
+    mirror = make_job(tmp_path / "mirror")
+    job = make_job(tmp_path / "job")
+    try:
+        for j in (mirror, job):
+            for epoch in range(WARMUP):
+                run_epoch(j, epoch)
+            for rank in range(WORLD):
+                finish(j, rank, j.open_pass(rank, 0, "rescore"))
+            state = j.open_pass(0, 0, "train")  # epoch WARMUP selects: half of it, fed back
+            for _ in range(state.num_batches // 2):
+                index, ids, _ = j.assign(0, state, 0)  # type: ignore[misc]
+                j.record_feedback(ids, losses(ids, WARMUP) * 2, "train")
+                j.ack(state, [index])
+        kill(job)
+        again = make_job(tmp_path / "job")
+        try:
+            assert_same_engine(mirror, again)
+            assert again.stats()["importance"] == mirror.stats()["importance"]
+            # the selection is the file's, not made again from the losses fed back since
+            assert not [c for c in engine(again).calls if c.startswith("select")]
+            rest = again.open_pass(0, 0, "train")
+            assert rest.acked == mirror.passes[0].acked  # type: ignore[union-attr]
+            np.testing.assert_array_equal(rest.plan.ids, mirror.passes[0].plan.ids)  # type: ignore[union-attr]
+        finally:
+            again.close()
+    finally:
+        mirror.close()
 
 
 def test_a_selecting_epoch_waits_for_every_ranks_rescore_after_a_restart(tmp_path: Path) -> None:

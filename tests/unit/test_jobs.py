@@ -10,6 +10,7 @@ import pytest
 from loaderd.client.errors import ErrorCode
 from loaderd.importance import ImportanceConfig
 from loaderd.jobs import Job, JobError, JobSpec
+from loaderd.journal import FeedbackEntry, FeedbackJournal, SelectionEntry
 from loaderd.pass_state import PassState
 
 N = 40
@@ -356,6 +357,28 @@ def test_torn_journal_tail_is_cut_and_whole_entries_survive(tmp_path: Path) -> N
         again.close()
 
 
+def test_selections_replay_in_their_place_among_the_feedback(tmp_path: Path) -> None:
+    path = tmp_path / "feedback.log"
+    journal = FeedbackJournal(path)
+    journal.append(0, "train", np.arange(4), np.ones(4, np.float32))
+    journal.append_selection(1, 30, 0.25)
+    journal.append(1, "rescore", np.arange(2), np.zeros(2, np.float32))
+    whole = journal.size_bytes
+    journal.append_selection(2, 7, float("nan"))
+    journal.close()
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 3)  # the last selection is torn
+    got = list(FeedbackJournal.replay(path))
+    assert [(type(e), e.epoch) for e in got] == [
+        (FeedbackEntry, 0),
+        (SelectionEntry, 1),
+        (FeedbackEntry, 1),
+    ]
+    assert got[1] == SelectionEntry(1, 30, 0.25)
+    assert isinstance(got[2], FeedbackEntry) and got[2].kind == "rescore"
+    assert path.stat().st_size == whole  # cut at the end of the last whole entry
+
+
 @pytest.mark.parametrize(
     "change", [{"seed": 4}, {"world_size": 3}, {"batch_size": 8}, {"options": {"mix": 0.5}}]
 )
@@ -396,10 +419,10 @@ def test_duplicate_acks_survive_restart(tmp_path: Path) -> None:
         again.close()
 
 
-def test_the_journal_stays_bounded_when_no_selection_empties_it(tmp_path: Path) -> None:
-    # A client feeding the same samples' losses back again and again within one epoch (no
-    # selection snapshots the engine meanwhile): the journal is emptied into a snapshot once
-    # it holds its bound, and a start after a kill still knows every loss.
+def test_the_journal_stays_bounded(tmp_path: Path) -> None:
+    # A client feeding the same samples' losses back again and again within one epoch: the
+    # journal is emptied into a snapshot once it holds its bound, and a start after a kill
+    # still knows every loss (the entries since, joined into one run, ids repeated).
     job = make_job(tmp_path)
     job.journal_min_bytes = 2048
     mirror = make_job(None)
