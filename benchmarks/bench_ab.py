@@ -4,8 +4,9 @@ On a shared machine only same-run ratios mean anything, and a run of ``bench_thr
 takes most of an hour. This measures one change in minutes: the named files of the working
 tree and of ``--base`` are swapped in, one version after the other (ABBA order), each time
 under a fresh daemon over the same store, with the page cache held warm. Per daemon: its
-first epoch (warm miss: DRAM empty), the best of ``--epochs`` later ones (hits) and its peak
-RSS; a DataLoader (num_workers=0) over the same store at the start and the end.
+first epoch (warm miss: DRAM empty), the best of ``--epochs`` later ones (hits), the median
+wait for those epochs' first batches (the epoch's start) and its peak RSS; a DataLoader
+(num_workers=0) over the same store at the start and the end.
 
 The working tree's versions of the files are put back whatever happens (an error, Ctrl-C,
 SIGTERM). Writes ``results/<--name>.json`` and ``.md``. Example:
@@ -66,11 +67,17 @@ def one_daemon(ctx: Context, db: Path, epochs: int, dram_fraction: float) -> dic
         ds = LoaderdDataset(srv.address, job="ab", batch_size=BATCH, prefetch=8)
         ds.connect()
         miss = run_epoch(ds, srv)
-        hit = max(run_epoch(ds, srv) for _ in range(epochs))
+        starts: list[float] = []
+        hit = max(run_epoch(ds, srv, starts=starts) for _ in range(epochs))
         ds.close()
     finally:
         ctx.stop(srv)
-    return {"warm miss": round(miss), "hit": round(hit), "rss_mib": srv.peak_rss >> 20}
+    return {
+        "warm miss": round(miss),
+        "hit": round(hit),
+        "start_ms": round(1e3 * median(starts), 1),
+        "rss_mib": srv.peak_rss >> 20,
+    }
 
 
 def bench_size(
@@ -99,6 +106,7 @@ def markdown(
         *header(f"A/B: {', '.join(args.files)} against {args.base}", info, command),
         "Fresh daemons over one warm store, the two versions of the files in turn (ABBA). "
         "Warm miss: a daemon's first epoch; hit: its best later epoch; samples/s, batch 64; "
+        "epoch start: the median wait from `iter` to the first batch of the later epochs; "
         "RSS: the daemon's peak. Each cell: the median, then every run in order. "
         f"DRAM: {args.dram_fraction}x the store"
         + (
@@ -107,18 +115,18 @@ def markdown(
             else "."
         ),
         "",
-        "| sample | side | warm miss | hit | daemon RSS MiB |",
-        "|---:|---|---|---|---|",
+        "| sample | side | warm miss | hit | epoch start, ms | daemon RSS MiB |",
+        "|---:|---|---|---|---|---|",
     ]
     for r in rows:
         for side in SIDES:
-            cells = [
-                f"{median(x[k] for x in r[side]):,.0f} ({', '.join(f'{x[k]:,}' for x in r[side])})"
-                for k in ("warm miss", "hit", "rss_mib")
-            ]
+            cells = []
+            for k, d in (("warm miss", 0), ("hit", 0), ("start_ms", 1), ("rss_mib", 0)):
+                runs = ", ".join(f"{x[k]:,}" for x in r[side])
+                cells.append(f"{median(x[k] for x in r[side]):,.{d}f} ({runs})")
             lines.append(f"| {r['sample_bytes']:,} B | {side} | " + " | ".join(cells) + " |")
         lines.append(
-            f"| | DataLoader nw=0 | {', '.join(f'{x:,}' for x in r['dataloader_nw0'])} | | |"
+            f"| | DataLoader nw=0 | {', '.join(f'{x:,}' for x in r['dataloader_nw0'])} | | | |"
         )
     return "\n".join(lines) + "\n"
 

@@ -191,11 +191,17 @@ class Served:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def run_epoch(ds: Any, served: Served | None = None, feedback: bool = False) -> float:
+def run_epoch(
+    ds: Any, served: Served | None = None, feedback: bool = False, starts: list[float] | None = None
+) -> float:
     """Samples/s of one pass, timed from its first batch; ``feedback``: each batch's losses
-    are sent back, as a trainer of the importance engine does."""
+    are sent back, as a trainer of the importance engine does. ``starts`` gets the seconds
+    from ``iter`` to the first batch (the epoch's start: OPEN_PASS and the first assembly)."""
+    t = time.perf_counter()
     it = iter(ds)
     n = len(next(it)["id"])
+    if starts is not None:
+        starts.append(time.perf_counter() - t)
     t0 = time.perf_counter()
     n = 0
     for i, b in enumerate(it):
