@@ -69,5 +69,9 @@ class Outbox:
         for identity, msg in held:
             self._send(identity, msg if instead is None else instead(msg))
 
+    def held(self, after: After) -> list[tuple[bytes, int]]:
+        """(identity, request id) of each reply waiting for ``after``."""
+        return [(identity, msg.request_id) for identity, msg in self._held[after]]
+
     def __len__(self) -> int:
         return len(self._batches) + sum(len(v) for v in self._held.values())

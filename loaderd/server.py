@@ -173,6 +173,7 @@ class Server:
         limits = config.limits
         self.parked = ParkedOpens(limits.max_parked_opens_per_client, limits.max_parked_opens)
         self._waiting_noted: dict[tuple[bytes, int], float] = {}  # parked open -> last WAITING
+        self._held_noted: dict[tuple[bytes, int], float] = {}  # held on a failed write -> the same
         self.outstanding = Outstanding(config.limits.max_outstanding_batches)
         # Each connection's requests wait in its own queue; the loop takes a few of each per turn.
         self.inbox = Inbox(limits.max_backlog_per_client, limits.max_request_bytes)
@@ -271,10 +272,13 @@ class Server:
         is the fsynced one. Feedback is fsynced once for all that came within
         ``_GROUP_COMMIT_S`` (group commit; ``sync_now``: at once), its replies held till then.
         """
-        if durability_failure(job.commit_cursors for job in self.jobs.values()) is not None:
+        failed = durability_failure(job.commit_cursors for job in self.jobs.values())
+        if failed is not None:
             if self._journal_due is not None:  # retried at the tick, not in a spinning poll
                 self._journal_due = time.monotonic() + _TICK_S
+            self._note_held(failed.message)
             return  # nothing waiting on a cursor goes out before it is written: next turn
+        self._held_noted.clear()
         crashpoints.hit("commit")
         self.outbox.release(After.CURSORS)
         if self.outbox.waiting_for(After.JOURNAL):
@@ -335,6 +339,8 @@ class Server:
             self.prefetcher.drop(lambda k: k[0] in going and k not in self._waiting)
         self.outstanding.prune(self._still_out)
         durability_failure(job.save for job in self.jobs.values())
+        if self.outbox.waiting_for(After.CURSORS):  # a commit that failed (a full disk), again
+            self._commit()
 
     def close(self) -> None:
         """Flush every job's state, close the socket and remove the socket file (idempotent)."""
@@ -526,10 +532,17 @@ class Server:
         self.consumers.seen((job.spec.name, m["rank"], m["worker"]), identity)
         try:
             state = job.open_pass(m["rank"], m["worker"], m["phase"], resume)
-        except NotReady as e:
+        except (NotReady, OSError, JournalWriteError) as e:
+            why = str(e)
+            if not isinstance(e, NotReady):
+                # The epoch's selection is not on disk (a full disk): no batch of it goes
+                # out before it is, or a restart could select again and serve other samples.
+                # Parked like a barrier, the open is tried again at each tick.
+                note_failed_write(e)
+                why = f"waiting for the daemon's state disk: cannot write daemon state: {e}"
             rewind = resume.epoch if resume is not None and resume.rewind else None
-            self.parked.park((job.spec.name, m["rank"], m["phase"], rewind), identity, msg, str(e))
-            self._note_waiting(identity, msg.request_id, str(e))
+            self.parked.park((job.spec.name, m["rank"], m["phase"], rewind), identity, msg, why)
+            self._note_waiting(identity, msg.request_id, why)
             return None
         self._forget_other_passes(job, m["rank"], state)
         self.placement.on_pass(job, m["rank"], state)
@@ -565,6 +578,28 @@ class Server:
             self._waiting_noted[key] = now
             note = {"message": why, "again_s": _WAITING_EVERY_S}
             self._send(identity, Message(MsgType.WAITING, request_id, note))
+
+    def _note_held(self, why: str) -> None:
+        """Tell each request held for a cursor write that failed why it waits (a full disk).
+
+        Its batch is assigned and goes out once the write succeeds; sent before, a restart
+        could hand it to another consumer. Without a note the client would take the silence
+        for a dead daemon and, past its reconnect time, give up naming the wrong cause.
+        """
+        now = time.monotonic()
+        held = self.outbox.held(After.CURSORS)
+        held += [w for waiters in self._waiting.values() for w in waiters]
+        note = {
+            "message": f"waiting for the daemon's state disk: {why}",
+            "again_s": _WAITING_EVERY_S,
+        }
+        for identity, request_id in held:
+            if (
+                now - self._held_noted.get((identity, request_id), -_WAITING_EVERY_S)
+                >= _WAITING_EVERY_S
+            ):
+                self._held_noted[(identity, request_id)] = now
+                self._send(identity, Message(MsgType.WAITING, request_id, note))
 
     def _retry_parked(self) -> None:
         """Try each group of parked opens once (its first request): the rest follow it."""

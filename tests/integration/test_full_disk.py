@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,6 +135,69 @@ def test_a_full_state_disk_is_shown_in_stats(
         filler.unlink()
         feedback(ds, np.arange(64))  # space is back
         wait_until(lambda: ds.stats()["state_disk"]["ok"], what="the state disk ok again")
+    finally:
+        d.close()
+        shutil.rmtree(small_disk / "state", ignore_errors=True)
+
+
+def test_a_trainer_on_a_full_disk_waits_told_why_and_goes_on_when_space_is_back(
+    dataset: tuple[Path, dict[str, np.ndarray]],
+    small_disk: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A batch goes out only once its assignment is written: on a full disk the trainer waits
+    # (past its timeout, told why) instead of giving up on a daemon it takes for dead, and
+    # the epoch goes on, each sample once, when space is back.
+    d = Daemon(db=dataset[0], state_dir=small_disk / "state").start()
+    try:
+        ds = LoaderdDataset(d.address, job="wait", batch_size=64, timeout_s=2.0, reconnect_s=4.0)
+        assert sum(len(b["id"]) for b in ds) == N_SAMPLES
+        filler = fill(small_disk)
+        threading.Timer(8.0, filler.unlink).start()  # past the timeout and the reconnect time
+        t = time.monotonic()
+        ids = np.concatenate([b["id"].numpy() for b in ds])
+        assert time.monotonic() - t > 7.0, "batches went out before their cursors were written"
+        assert np.array_equal(np.sort(ids), np.arange(N_SAMPLES)), "epoch 1, whole, once each"
+        assert ds.epoch == 1
+        assert "waiting for the daemon's state disk" in caplog.text
+        assert "No space left on device" in caplog.text
+        assert "went away" not in caplog.text  # the daemon was never taken for dead
+    finally:
+        d.close()
+        shutil.rmtree(small_disk / "state", ignore_errors=True)
+
+
+def test_a_selecting_epoch_on_a_full_disk_starts_once_its_selection_is_written(
+    dataset: tuple[Path, dict[str, np.ndarray]],
+    small_disk: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Served from a selection a restart could not find, the epoch could give a sample twice
+    # or never: its start waits (parked, told why, tried again each tick) until it is written.
+    d = Daemon(db=dataset[0], state_dir=small_disk / "state").start()
+    try:
+        ds = LoaderdDataset(
+            d.address,
+            job="sel",
+            batch_size=64,
+            sampler="importance",
+            warmup_epochs=1,
+            keep_fraction=0.5,
+            rescore=False,
+            timeout_s=2.0,
+        )
+        for b in ds:
+            ds.feedback(b["id"], b["id"].float() / N_SAMPLES)
+        ds.flush()
+        filler = fill(small_disk)
+        threading.Timer(5.0, filler.unlink).start()
+        t = time.monotonic()
+        ids = np.concatenate([b["id"].numpy() for b in ds])
+        assert time.monotonic() - t > 4.0, "the epoch started before its selection was written"
+        assert ds.epoch == 1 and len(ids) == len(set(ids.tolist())) == N_SAMPLES // 2
+        assert list((small_disk / "state").rglob("selection-1.npz"))
+        assert "waiting for the daemon's state disk" in caplog.text
+        assert "went away" not in caplog.text
     finally:
         d.close()
         shutil.rmtree(small_disk / "state", ignore_errors=True)
