@@ -89,7 +89,7 @@ def plan_pass(
         pad = share * world_size - len(ids)
         if pad:  # repeated as often as needed when there are fewer samples than ranks
             order = np.concatenate([order, np.resize(order, pad)])
-    ids, weights = ids[order], weights[order]
+    ids, weights = _in_order(ids, order), _in_order(weights, order)
     full, rest = divmod(share, batch_size)
     n_batches = full if drop_last or not rest else full + 1
     bounds = np.minimum(np.arange(n_batches + 1, dtype=np.int64) * batch_size, share)
@@ -98,6 +98,23 @@ def plan_pass(
         lo, hi = r * share, r * share + int(bounds[-1])
         plans.append(RankPlan(ids[lo:hi], weights[lo:hi], bounds))
     return plans
+
+
+def _in_order(values: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``values[order]``, without the gather where the result is known.
+
+    Every sample (``0, 1, ..., n - 1``) in order is the order itself, and equal values in any
+    order are the same values. At a million samples the two gathers of a pass of every
+    sample took a third of its planning.
+    """
+    n = len(values)
+    if n and values[0] == values[-1] and (values == values[0]).all():
+        return values if len(order) == n else np.full(len(order), values[0], values.dtype)
+    every = n and values.dtype.kind in "iu" and values[0] == 0 and values[-1] == n - 1
+    if every and (values[1:] > values[:-1]).all():  # increasing from 0 to n - 1: all of them
+        return order.astype(values.dtype, copy=False)
+    gathered: np.ndarray = values[order]
+    return gathered
 
 
 def _even_split(

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loaderd.planner import num_batches, plan_pass
+from loaderd.planner import num_batches, plan_pass, rng_for
 
 
 def plan(
@@ -155,3 +155,35 @@ def test_rescore_passes_take_every_sample_once(n: int, ws: int, bs: int) -> None
     assert len({p.num_batches for p in plans}) == 1
     sizes = [len(p.ids) for p in plans]
     assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(
+    "ids, weights",
+    [
+        (np.arange(37), np.ones(37, np.float32)),  # every sample, equal weights: no gather
+        (np.arange(37), np.linspace(0.1, 2, 37, dtype=np.float32)),
+        (np.arange(1, 38), np.ones(37, np.float32)),  # increasing, but not from 0
+        (np.array([0, 2, 3, 5, 36]), np.full(5, 0.5, np.float32)),  # a selection
+        (np.array([0, 1, 1, 2, 36]), np.ones(5, np.float32)),  # repeated by a draw
+        (np.full(6, 4), np.array([1, 2, 1, 2, 1, 2], np.float32)),
+    ],
+)
+@pytest.mark.parametrize("ws, drop_last", [(1, False), (3, False), (4, True)])
+def test_a_plan_is_its_inputs_gathered_in_the_shuffled_order(
+    ids: np.ndarray, weights: np.ndarray, ws: int, drop_last: bool
+) -> None:
+    # The order is the shuffle, padded or cut to the ranks; each rank's ids and weights are
+    # the inputs at those positions, however the planner avoids gathering them.
+    ids = ids.astype(np.int64)
+    plans = plan_pass(
+        ids, weights, seed=2, epoch=5, phase="train", world_size=ws, batch_size=4,
+        drop_last=drop_last,
+    )  # fmt: skip
+    order = rng_for(2, 5, "train").permutation(len(ids))
+    share = len(ids) // ws if drop_last else -(-len(ids) // ws)
+    order = np.resize(order, share * ws)  # padded with its own first entries, or cut
+    for r, p in enumerate(plans):
+        at = order[r * share : r * share + len(p.ids)]
+        np.testing.assert_array_equal(p.ids, ids[at])
+        np.testing.assert_array_equal(p.weights, weights[at])
+        assert p.ids.dtype == np.int64 and p.weights.dtype == np.float32
