@@ -268,6 +268,7 @@ class ImportanceEngine:
         self._feedback = 0
         self._rescore_feedback = 0
         self._selected_epoch = -1
+        self._all: tuple[NDArray[np.int64], NDArray[np.float32]] | None = None
         self._selected = 0
         self._keep_threshold = np.nan
 
@@ -433,8 +434,7 @@ class ImportanceEngine:
         self._ensure_groups(epoch)
         cut = -np.inf
         if self.selects_all(epoch):
-            ids = np.arange(self._n, dtype=np.int64)
-            weights = np.ones(self._n, dtype=np.float32)
+            ids, weights = self._every_sample()
         else:
             rng = np.random.default_rng([seed, epoch])
             keep = self._keep_count()
@@ -465,6 +465,18 @@ class ImportanceEngine:
         self.selected(epoch, int(ids.size), cut)
         logger.debug("epoch %d: selected %d of %d samples", epoch, ids.size, self._n)
         return ids, weights
+
+    def _every_sample(self) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+        """The selection of an epoch that trains every sample: one read-only pair, made once.
+
+        Made anew, its 12 bytes a sample were fresh memory at every such epoch's start.
+        """
+        if self._all is None:
+            ids = np.arange(self._n, dtype=np.int64)
+            weights = np.ones(self._n, dtype=np.float32)
+            ids.flags.writeable = weights.flags.writeable = False
+            self._all = (ids, weights)
+        return self._all
 
     def selected(self, epoch: int, count: int, cut: float) -> None:
         """Leave the state ``select`` leaves, from what it decided (a journal's replay).

@@ -166,6 +166,18 @@ def test_classify_then_select_at_epoch_k() -> None:
     assert json.loads(json.dumps(stats, allow_nan=False)) == stats  # plain JSON for `loaderd stats`
 
 
+def test_epochs_of_every_sample_share_one_read_only_selection() -> None:
+    engine = ImportanceEngine(50, ImportanceConfig(sampler="importance", warmup_epochs=2))
+    first, second = engine.select(0, seed=1), engine.select(1, seed=1)
+    assert first[0] is second[0] and first[1] is second[1]  # no fresh memory an epoch
+    assert first[0].tolist() == list(range(50)) and (first[1] == 1).all()
+    assert first[0].dtype == np.int64 and first[1].dtype == np.float32
+    with pytest.raises(ValueError, match="read-only"):
+        first[1][0] = 2.0  # shared by every such epoch: nobody may change it
+    engine.record(first[0], np.linspace(0.1, 1.0, 50), 1)
+    assert engine.select(2, seed=1)[0].size < 50  # a selecting epoch chooses as before
+
+
 def test_rescore_ids_are_exactly_the_high_group() -> None:
     n = 1000
     noisy = np.arange(n) % 5 == 0
