@@ -314,7 +314,7 @@ class EpochPlanner:
                 if path is not None:
                     if self._on_selection is not None:
                         self._on_selection(epoch)
-                    # One of every sample is (seed, epoch)'s alone: made again the same.
+                    # A selection of every sample is made again the same: no file for it.
                     if not self.engine.selects_all(epoch):
                         _save_arrays(path, {"ids": sel[0], "weights": sel[1]})
             self._selections[epoch] = sel

@@ -59,7 +59,7 @@ class SelectionEntry:
 
 
 class JournalWriteError(StorageError):
-    """A feedback entry could not be made durable (a full disk, an I/O error)."""
+    """An entry (feedback, a selection) could not be made durable (a full disk, an I/O error)."""
 
 
 class FeedbackJournal:

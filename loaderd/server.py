@@ -89,6 +89,7 @@ _TICK_S = 0.5
 # loop. A trainer does not wait for them (up to 64 in flight) but at a pass's end.
 _GROUP_COMMIT_S = 0.01
 _WAITING_EVERY_S = 5.0
+Noted = tuple[bytes, int]  # a request told why it waits: (identity, request id)
 _MAX_ACKS = 1 << 16
 
 
@@ -172,8 +173,8 @@ class Server:
         self._waiting: dict[BatchKey, list[tuple[bytes, int]]] = {}
         limits = config.limits
         self.parked = ParkedOpens(limits.max_parked_opens_per_client, limits.max_parked_opens)
-        self._waiting_noted: dict[tuple[bytes, int], float] = {}  # parked open -> last WAITING
-        self._held_noted: dict[tuple[bytes, int], float] = {}  # held on a failed write -> the same
+        self._waiting_noted: dict[Noted, float] = {}  # parked open -> its last WAITING
+        self._held_noted: dict[Noted, float] = {}  # held on a failed write -> the same
         self.outstanding = Outstanding(config.limits.max_outstanding_batches)
         # Each connection's requests wait in its own queue; the loop takes a few of each per turn.
         self.inbox = Inbox(limits.max_backlog_per_client, limits.max_request_bytes)
@@ -566,16 +567,20 @@ class Server:
             MsgType.PASS, msg.request_id, {"epoch": epoch, "phase": "train", "batches": batches}
         )
 
-    def _note_waiting(self, identity: bytes, request_id: int, why: str) -> None:
+    def _note_waiting(
+        self, identity: bytes, request_id: int, why: str, noted: dict[Noted, float] | None = None
+    ) -> None:
         """Tell a parked client why it waits (at once, then every few seconds).
 
         Its reply may take longer than its timeout; a WAITING note keeps it from taking the
-        silence for a dead daemon, and says which ranks it waits for.
+        silence for a dead daemon, and says which ranks it waits for. ``noted``: when each
+        request was last told (default: the parked opens').
         """
+        noted = self._waiting_noted if noted is None else noted
         now, key = time.monotonic(), (identity, request_id)
-        last = self._waiting_noted.get(key)
+        last = noted.get(key)
         if last is None or now - last >= _WAITING_EVERY_S:
-            self._waiting_noted[key] = now
+            noted[key] = now
             note = {"message": why, "again_s": _WAITING_EVERY_S}
             self._send(identity, Message(MsgType.WAITING, request_id, note))
 
@@ -584,22 +589,17 @@ class Server:
 
         Its batch is assigned and goes out once the write succeeds; sent before, a restart
         could hand it to another consumer. Without a note the client would take the silence
-        for a dead daemon and, past its reconnect time, give up naming the wrong cause.
+        for a dead daemon and reconnect again and again, blaming the wrong cause.
         """
-        now = time.monotonic()
         held = self.outbox.held(After.CURSORS)
         held += [w for waiters in self._waiting.values() for w in waiters]
-        note = {
-            "message": f"waiting for the daemon's state disk: {why}",
-            "again_s": _WAITING_EVERY_S,
-        }
         for identity, request_id in held:
-            if (
-                now - self._held_noted.get((identity, request_id), -_WAITING_EVERY_S)
-                >= _WAITING_EVERY_S
-            ):
-                self._held_noted[(identity, request_id)] = now
-                self._send(identity, Message(MsgType.WAITING, request_id, note))
+            self._note_waiting(
+                identity,
+                request_id,
+                f"waiting for the daemon's state disk: {why}",
+                self._held_noted,
+            )
 
     def _retry_parked(self) -> None:
         """Try each group of parked opens once (its first request): the rest follow it."""
