@@ -140,64 +140,65 @@ def test_a_full_state_disk_is_shown_in_stats(
         shutil.rmtree(small_disk / "state", ignore_errors=True)
 
 
-def test_a_trainer_on_a_full_disk_waits_told_why_and_goes_on_when_space_is_back(
-    dataset: tuple[Path, dict[str, np.ndarray]],
-    small_disk: Path,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # A batch goes out only once its assignment is written: on a full disk the trainer waits
-    # (past its timeout, told why) instead of giving up on a daemon it takes for dead, and
-    # the epoch goes on, each sample once, when space is back.
+def next_epoch_on_a_full_disk(ds: LoaderdDataset, disk: Path, room_after_s: float) -> np.ndarray:
+    """The ids of ``ds``'s next epoch, begun on a full disk given room after ``room_after_s``.
+
+    Checks the trainer waited for the room, told why, and never took the daemon for dead.
+    """
+    filler = fill(disk)
+    threading.Timer(room_after_s, filler.unlink).start()
+    t = time.monotonic()
+    ids = np.concatenate([b["id"].numpy() for b in ds])
+    assert time.monotonic() - t > room_after_s - 1.0, "batches went out before their state"
+    return ids
+
+
+def assert_told_why(log: str) -> None:
+    assert "waiting for the daemon's state disk" in log and "No space left on device" in log
+    assert "went away" not in log  # the daemon was never taken for dead
+
+
+@pytest.fixture
+def on_small_disk(
+    dataset: tuple[Path, dict[str, np.ndarray]], small_disk: Path
+) -> Iterator[Daemon]:
+    """A daemon whose state directory is on the small disk."""
     d = Daemon(db=dataset[0], state_dir=small_disk / "state").start()
     try:
-        ds = LoaderdDataset(d.address, job="wait", batch_size=64, timeout_s=2.0, reconnect_s=4.0)
-        assert sum(len(b["id"]) for b in ds) == N_SAMPLES
-        filler = fill(small_disk)
-        threading.Timer(8.0, filler.unlink).start()  # past the timeout and the reconnect time
-        t = time.monotonic()
-        ids = np.concatenate([b["id"].numpy() for b in ds])
-        assert time.monotonic() - t > 7.0, "batches went out before their cursors were written"
-        assert np.array_equal(np.sort(ids), np.arange(N_SAMPLES)), "epoch 1, whole, once each"
-        assert ds.epoch == 1
-        assert "waiting for the daemon's state disk" in caplog.text
-        assert "No space left on device" in caplog.text
-        assert "went away" not in caplog.text  # the daemon was never taken for dead
+        yield d
     finally:
         d.close()
         shutil.rmtree(small_disk / "state", ignore_errors=True)
+
+
+def test_a_trainer_on_a_full_disk_waits_told_why_and_goes_on_when_space_is_back(
+    on_small_disk: Daemon, small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A batch goes out only once its assignment is written: on a full disk the trainer waits
+    # (past its timeout and reconnect time, told why) instead of giving up on a daemon it
+    # takes for dead, and the epoch goes on, each sample once, when space is back.
+    address = on_small_disk.address
+    ds = LoaderdDataset(address, job="wait", batch_size=64, timeout_s=2.0, reconnect_s=4.0)
+    assert sum(len(b["id"]) for b in ds) == N_SAMPLES
+    ids = next_epoch_on_a_full_disk(ds, small_disk, room_after_s=8.0)
+    assert np.array_equal(np.sort(ids), np.arange(N_SAMPLES)), "epoch 1, whole, once each"
+    assert ds.epoch == 1
+    assert_told_why(caplog.text)
 
 
 def test_a_selecting_epoch_on_a_full_disk_starts_once_its_selection_is_written(
-    dataset: tuple[Path, dict[str, np.ndarray]],
-    small_disk: Path,
-    caplog: pytest.LogCaptureFixture,
+    on_small_disk: Daemon, small_disk: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Served from a selection a restart could not find, the epoch could give a sample twice
     # or never: its start waits (parked, told why, tried again each tick) until it is written.
-    d = Daemon(db=dataset[0], state_dir=small_disk / "state").start()
-    try:
-        ds = LoaderdDataset(
-            d.address,
-            job="sel",
-            batch_size=64,
-            sampler="importance",
-            warmup_epochs=1,
-            keep_fraction=0.5,
-            rescore=False,
-            timeout_s=2.0,
-        )
-        for b in ds:
-            ds.feedback(b["id"], b["id"].float() / N_SAMPLES)
-        ds.flush()
-        filler = fill(small_disk)
-        threading.Timer(5.0, filler.unlink).start()
-        t = time.monotonic()
-        ids = np.concatenate([b["id"].numpy() for b in ds])
-        assert time.monotonic() - t > 4.0, "the epoch started before its selection was written"
-        assert ds.epoch == 1 and len(ids) == len(set(ids.tolist())) == N_SAMPLES // 2
-        assert list((small_disk / "state").rglob("selection-1.npz"))
-        assert "waiting for the daemon's state disk" in caplog.text
-        assert "went away" not in caplog.text
-    finally:
-        d.close()
-        shutil.rmtree(small_disk / "state", ignore_errors=True)
+    options = {"warmup_epochs": 1, "keep_fraction": 0.5, "rescore": False}
+    ds = LoaderdDataset(
+        on_small_disk.address, "sel", 64, sampler="importance", timeout_s=2.0, **options
+    )
+    for b in ds:
+        ds.feedback(b["id"], b["id"].float() / N_SAMPLES)
+    ds.flush()
+    ids = next_epoch_on_a_full_disk(ds, small_disk, room_after_s=5.0)
+    assert ds.epoch == 1 and len(ids) == len(set(ids.tolist())) == N_SAMPLES // 2
+    assert list((small_disk / "state").rglob("selection-1.npz"))
+    assert_told_why(caplog.text)
