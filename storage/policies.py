@@ -468,9 +468,12 @@ class ImportancePolicy(Policy):
             lo += n
         target.flags.writeable = False  # readers on other threads hold it (``targets``)
         self._target = target
-        for t, spare in enumerate(self._spare):
-            spare.clear()
-            spare.update((i, None) for i in self.held[t] if target[i] < 0)
+        # In numpy, not a Python step per held record: 200 ms at a million held on the loop.
+        for t, held in enumerate(self.held):  # in the order of admission, oldest first
+            ids = np.fromiter(held, np.int64, len(held))
+            unwanted = (ids < 0) | (ids >= len(target))  # an id outside the ranking: not in it
+            unwanted[~unwanted] = target[ids[~unwanted]] < 0
+            self._spare[t] = dict.fromkeys(ids[unwanted].tolist())
         if len(self.capacities) < 2:
             return []
         moves: list[Move] = []

@@ -80,6 +80,16 @@ def test_importance_replacement_moves_between_tiers_and_evicts_lazily() -> None:
     assert p.evictions == [0, 1]
 
 
+def test_importance_evicts_what_a_ranking_drops_oldest_admitted_first() -> None:
+    p = ImportancePolicy([3], 10, 1)
+    replay(p, [7, 12, 5])  # before any ranking DRAM fills in this order (12: outside 0..9)
+    p.place(np.array([0, 1, 2, 5]))  # wants 0, 1, 2 in DRAM: 7, 12 and 5 are now spare
+    assert p.access(0, 1) == [("drop", 7, 0), ("admit", 0, 0)]
+    assert p.access(1, 1) == [("drop", 12, 0), ("admit", 1, 0)]
+    assert p.access(2, 1) == [("drop", 5, 0), ("admit", 2, 0)]
+    assert p.access(3, 1) == []  # not wanted: nothing moves
+
+
 def test_importance_before_a_ranking_behaves_like_static() -> None:
     p = ImportancePolicy([1, 1], 10, 1)
     assert replay(p, [5, 6, 7, 5, 6, 7]) == [None, None, None, 0, 1, None]
