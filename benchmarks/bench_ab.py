@@ -59,16 +59,26 @@ def put(side: Path, files: list[str]) -> None:
         shutil.copy2(side / f, ROOT / f)
 
 
-def one_daemon(ctx: Context, db: Path, epochs: int, dram_fraction: float) -> dict[str, float]:
+# ``--sampler importance``: every epoch after the first selects half, and losses go back.
+SELECTING = {"warmup_epochs": 1, "keep_fraction": 0.5, "rescore": False}
+
+
+def one_daemon(
+    ctx: Context, db: Path, epochs: int, dram_fraction: float, sampler: str = "uniform"
+) -> dict[str, float]:
     from loaderd.client import LoaderdDataset
 
     srv = ctx.serve(db, int((db / "data.mdb").stat().st_size * dram_fraction))
     try:
-        ds = LoaderdDataset(srv.address, job="ab", batch_size=BATCH, prefetch=8)
+        options = SELECTING if sampler != "uniform" else {}
+        ds = LoaderdDataset(
+            srv.address, job="ab", batch_size=BATCH, prefetch=8, sampler=sampler, **options
+        )
         ds.connect()
-        miss = run_epoch(ds, srv)
+        fed = sampler != "uniform"
+        miss = run_epoch(ds, srv, fed)
         starts: list[float] = []
-        hit = max(run_epoch(ds, srv, starts=starts) for _ in range(epochs))
+        hit = max(run_epoch(ds, srv, fed, starts=starts) for _ in range(epochs))
         ds.close()
     finally:
         ctx.stop(srv)
@@ -92,7 +102,9 @@ def bench_size(
         for k in range(args.pairs):
             for side in SIDES if k % 2 == 0 else SIDES[::-1]:
                 put(sides[side], files)
-                runs[side].append(one_daemon(ctx, db, args.epochs, args.dram_fraction))
+                runs[side].append(
+                    one_daemon(ctx, db, args.epochs, args.dram_fraction, args.sampler)
+                )
                 print(json.dumps({"size": size, "side": side, **runs[side][-1]}), flush=True)
         put(sides["change"], files)
         loaders.append(round(dataloader(db, 0, args.epochs, cold=False)["warm"]))
@@ -108,7 +120,13 @@ def markdown(
         "Warm miss: a daemon's first epoch; hit: its best later epoch; samples/s, batch 64; "
         "epoch start: the median wait from `iter` to the first batch of the later epochs; "
         "RSS: the daemon's peak. Each cell: the median, then every run in order. "
-        f"DRAM: {args.dram_fraction}x the store"
+        f"Sampler: {args.sampler}"
+        + (
+            " (half of each epoch after the first selected, losses sent back). "
+            if args.sampler != "uniform"
+            else ". "
+        )
+        + f"DRAM: {args.dram_fraction}x the store"
         + (
             " (larger than DRAM: 'hit' is the best steady-state epoch)."
             if args.dram_fraction < 1
@@ -156,6 +174,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=1.5,
         help="--dram-bytes as a fraction of data.mdb (0.25: a store four times larger than DRAM)",
+    )
+    p.add_argument(
+        "--sampler",
+        default="uniform",
+        help="the job's sampler; any other than uniform selects half of each epoch after the "
+        "first (warm-up 1, no re-score) and each batch's losses are sent back",
     )
     p.add_argument("--name", default="ab")
     p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
