@@ -70,12 +70,12 @@ def one_daemon(
 
     srv = ctx.serve(db, int((db / "data.mdb").stat().st_size * dram_fraction))
     try:
-        options = SELECTING if sampler != "uniform" else {}
+        fed = sampler != "uniform"  # a selecting job: its losses go back
+        options = SELECTING if fed else {}
         ds = LoaderdDataset(
             srv.address, job="ab", batch_size=BATCH, prefetch=8, sampler=sampler, **options
         )
         ds.connect()
-        fed = sampler != "uniform"
         miss = run_epoch(ds, srv, fed)
         starts: list[float] = []
         hit = max(run_epoch(ds, srv, fed, starts=starts) for _ in range(epochs))
