@@ -8,6 +8,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -184,9 +185,19 @@ def test_readahead_budget_and_a_trainer_that_stops(
         for _ in range(3):
             next(it)  # the trainer takes three batches, then stops without a word
 
+        # Settled: idle with a window, and unchanged for half a second. One idle instant is not
+        # enough: the daemon may yet assemble its batch ahead, which moves the pass's head and
+        # frees room in the window for one more batch.
+        last: dict[str, Any] = {}
+
         def settled() -> bool:
-            ra = stats(d.address)["readahead"]
-            return not ra["busy"] and ra["window_bytes"] > 0
+            s = stats(d.address)
+            ra = s["readahead"]
+            now = (ra["advised_bytes"], ra["window_bytes"], s["jobs"]["stop"]["batches_served"])
+            if ra["busy"] or not ra["window_bytes"] or last.get("state") != now:
+                last.update(state=now, since=time.monotonic())
+                return False
+            return bool(time.monotonic() - last["since"] >= 0.5)
 
         wait_until(settled, what="the read-ahead to fill its window and stop")
         s = stats(d.address)
@@ -376,6 +387,7 @@ def test_a_restarted_daemon_places_the_tiers_for_the_pass_it_resumes(
 
 _TAKE_TWO = """
 import sys
+import time
 from loaderd.client import LoaderdDataset
 ds = LoaderdDataset(sys.argv[1], job="quit", batch_size=8)
 for i, _ in enumerate(ds):
