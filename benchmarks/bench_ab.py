@@ -64,11 +64,25 @@ SELECTING = {"warmup_epochs": 1, "keep_fraction": 0.5, "rescore": False}
 
 
 def one_daemon(
-    ctx: Context, db: Path, epochs: int, dram_fraction: float, sampler: str = "uniform"
+    ctx: Context,
+    db: Path,
+    epochs: int,
+    dram_fraction: float,
+    sampler: str = "uniform",
+    nvram_fraction: float = 0.0,
 ) -> dict[str, float]:
     from loaderd.client import LoaderdDataset
 
-    srv = ctx.serve(db, int((db / "data.mdb").stat().st_size * dram_fraction))
+    size = (db / "data.mdb").stat().st_size
+    extra: list[str] = []
+    nvram = None
+    if nvram_fraction > 0:  # a fresh arena each daemon: none starts warm from the last one's
+        shm = Path("/dev/shm")
+        nvram = Path(
+            tempfile.mkdtemp(prefix="loaderd-ab-nvram-", dir=shm if shm.is_dir() else None)
+        )
+        extra = ["--nvram-dir", str(nvram), "--nvram-bytes", str(int(size * nvram_fraction))]
+    srv = ctx.serve(db, int(size * dram_fraction), extra)
     try:
         fed = sampler != "uniform"  # a selecting job: its losses go back
         options = SELECTING if fed else {}
@@ -82,6 +96,8 @@ def one_daemon(
         ds.close()
     finally:
         ctx.stop(srv)
+        if nvram is not None:
+            shutil.rmtree(nvram, ignore_errors=True)
     return {
         "warm miss": round(miss),
         "hit": round(hit),
@@ -103,7 +119,9 @@ def bench_size(
             for side in SIDES if k % 2 == 0 else SIDES[::-1]:
                 put(sides[side], files)
                 runs[side].append(
-                    one_daemon(ctx, db, args.epochs, args.dram_fraction, args.sampler)
+                    one_daemon(
+                        ctx, db, args.epochs, args.dram_fraction, args.sampler, args.nvram_fraction
+                    )
                 )
                 print(json.dumps({"size": size, "side": side, **runs[side][-1]}), flush=True)
         put(sides["change"], files)
@@ -131,6 +149,11 @@ def markdown(
             " (larger than DRAM: 'hit' is the best steady-state epoch)."
             if args.dram_fraction < 1
             else "."
+        )
+        + (
+            f" NVRAM arena: {args.nvram_fraction}x the store, fresh each daemon, in /dev/shm."
+            if args.nvram_fraction > 0
+            else ""
         ),
         "",
         "| sample | side | warm miss | hit | epoch start, ms | daemon RSS MiB |",
@@ -174,6 +197,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=1.5,
         help="--dram-bytes as a fraction of data.mdb (0.25: a store four times larger than DRAM)",
+    )
+    p.add_argument(
+        "--nvram-fraction",
+        type=float,
+        default=0.0,
+        help="--nvram-bytes as a fraction of data.mdb, in /dev/shm (0: no NVRAM tier)",
     )
     p.add_argument(
         "--sampler",
