@@ -102,7 +102,8 @@ class Arena:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._returned = threading.Condition(self._lock)  # a lent record came back
-        self._lent: collections.Counter[int] = collections.Counter()  # record offset -> loans
+        # record offset -> loans (a plain dict: a Counter's missing key and del run Python)
+        self._lent: dict[int, int] = {}
         self._closing = False  # a writer waiting on a loan gives up
         self._closed = False
         self._index: dict[int, tuple[int, int]] = {}  # sample id -> (offset, seq)
@@ -134,6 +135,8 @@ class Arena:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as e:
                 raise StorageError(f"arena {self.path} is in use by another process") from e
+            st = os.fstat(self._fd)  # a rebuild truncates this file: the same inode
+            self._file_id = (st.st_dev, st.st_ino)
             self.durability = dur.probe_durability(self.path)
             self._uid = self._open_or_rebuild()
             self._mm = dur.map_file(self._fd, layout.file_bytes, self.durability)
@@ -237,7 +240,7 @@ class Arena:
 
     def _evict_front(self, evict: bool, evicted: list[int]) -> None:
         off = self._ring[0][0]
-        while self._lent[off]:  # another process reads it: not overwritten under its feet
+        while off in self._lent:  # another process reads it: not overwritten under its feet
             if self._closing:
                 raise StorageError(f"arena {self.path} is closing")
             self._returned.wait(1.0)
@@ -489,32 +492,31 @@ class Arena:
         here (the reader reads it another way); nothing of it is lent.
         """
         offs: list[int] = []
+        absent = (-1 - REC_HEAD, 0)
         with self._lock:
             self._check_open()
             index, lent = self._index, self._lent
             for sid in sample_ids:
-                loc = index.get(sid)
-                if loc is None:
-                    offs.append(-1 - REC_HEAD)
-                else:
-                    offs.append(loc[0])
-                    lent[loc[0]] += 1
+                off = index.get(sid, absent)[0]
+                offs.append(off)
+                if off >= 0:
+                    lent[off] = lent.get(off, 0) + 1
         return np.array(offs, np.int64) + REC_HEAD
 
     def give_back(self, payload_offsets: np.ndarray) -> None:
         """End a loan (``lend``): the ring may overwrite those records again."""
         with self._lock:
+            lent = self._lent
             for off in (payload_offsets[payload_offsets >= 0] - REC_HEAD).tolist():
-                self._lent[off] -= 1
-                if self._lent[off] <= 0:
-                    del self._lent[off]
+                left = lent.pop(off, 0) - 1
+                if left > 0:
+                    lent[off] = left
             self._returned.notify_all()
 
     @property
     def file_id(self) -> tuple[int, int]:
         """The file's (device, inode): a reader that opens ``path`` checks it is this file."""
-        st = os.fstat(self._fd)
-        return st.st_dev, st.st_ino
+        return self._file_id
 
     def discard(self, sample_id: int) -> None:
         """Drop a sample from the arena (a no-op when it is absent).
