@@ -84,9 +84,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
-# Feedback's replies wait up to this long so that one fsync records several FEEDBACKs: a
-# trainer sends one every 512 samples, and at 3 KB hits one fsync each took a fifth of the
-# loop. A trainer does not wait for them (up to 64 in flight) but at a pass's end.
+# Feedback's replies wait up to this long so that one fsync records several FEEDBACKs (at
+# 3 KB hits one fsync each took a fifth of the loop). A trainer sends one every 8192 samples
+# or quarter of a second (``client/losses.py``), and does not wait for the replies (up to 64
+# in flight) but at a pass's end.
 _GROUP_COMMIT_S = 0.01
 _WAITING_EVERY_S = 5.0
 Noted = tuple[bytes, int]  # a request told why it waits: (identity, request id)
