@@ -469,18 +469,22 @@ class ImportancePolicy(Policy):
         target.flags.writeable = False  # readers on other threads hold it (``targets``)
         self._target = target
         # In numpy, not a Python step per held record: 200 ms at a million held on the loop.
+        wants: list[tuple[np.ndarray, np.ndarray]] = []  # per tier: held ids, their targets
         for t, held in enumerate(self.held):  # in the order of admission, oldest first
             ids = np.fromiter(held, np.int64, len(held))
-            unwanted = (ids < 0) | (ids >= len(target))  # an id outside the ranking: not in it
-            unwanted[~unwanted] = target[ids[~unwanted]] < 0
-            self._spare[t] = dict.fromkeys(ids[unwanted].tolist())
+            inside = (ids >= 0) & (ids < len(target))  # an id outside the ranking: not in it
+            to = np.full(len(ids), -1, np.int8)
+            to[inside] = target[ids[inside]]
+            self._spare[t] = dict.fromkeys(ids[to < 0].tolist())
+            wants.append((ids, to))
         if len(self.capacities) < 2:
             return []
         moves: list[Move] = []
         # Swap: take the demoted out of DRAM, promote into the room they leave, then put the
         # demoted into the room the promoted leave in the arena (evicting unranked ones).
-        down = [(i, self.held[DRAM][i]) for i in self.held[DRAM] if target[i] == ARENA]
-        up = [i for i in self.held[ARENA] if target[i] == DRAM]
+        sizes = self.held[DRAM]
+        down = [(i, sizes[i]) for i in wants[DRAM][0][wants[DRAM][1] == ARENA].tolist()]
+        up: list[int] = wants[ARENA][0][wants[ARENA][1] == DRAM].tolist()
         for i, _ in down:
             self._remove(i)
         for i in up:

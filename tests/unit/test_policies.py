@@ -90,6 +90,15 @@ def test_importance_evicts_what_a_ranking_drops_oldest_admitted_first() -> None:
     assert p.access(3, 1) == []  # not wanted: nothing moves
 
 
+def test_importance_swaps_tiers_past_ids_outside_the_ranking() -> None:
+    p = ImportancePolicy([2, 2], 10, 1)
+    replay(p, [12, 3, 4, 15])  # before any ranking: DRAM 12, 3; the arena 4, 15 (outside 0..9)
+    moves = p.place(np.array([4, 3, 5]))  # 4 up into the room of 12, which no ranking wants
+    assert moves == [("drop", 12, 0), ("promote", 4, 0)]
+    assert p.access(5, 1) == [("admit", 5, 1)]  # the room 4 left: 15 stays, spare
+    assert [p.lookup(i) for i in (3, 4, 5, 12, 15)] == [0, 0, 1, None, 1]
+
+
 def test_importance_before_a_ranking_behaves_like_static() -> None:
     p = ImportancePolicy([1, 1], 10, 1)
     assert replay(p, [5, 6, 7, 5, 6, 7]) == [None, None, None, 0, 1, None]
