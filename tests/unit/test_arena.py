@@ -601,7 +601,8 @@ def test_a_lent_record_is_not_overwritten_until_it_is_given_back(path: Path) -> 
     with Arena(path, SMALL, FP) as a:
         n = _full_ring(a, 1000)
         offsets = a.lend([0, n + 5])  # the next to be overwritten, and one not here
-        assert offsets[1] == -1 and a.stats()["lent"] == 1
+        again = a.lend([0])  # another batch's reader of the same record
+        assert offsets[1] == -1 and again[0] == offsets[0] and a.stats()["lent"] == 2
         fd = os.open(path, os.O_RDONLY)
         errors: list[BaseException] = []
 
@@ -619,6 +620,9 @@ def test_a_lent_record_is_not_overwritten_until_it_is_given_back(path: Path) -> 
             assert os.pread(fd, 1000, int(offsets[0])) == payload(0, size=1000)
             assert a.get(5) == payload(5, size=1000)  # readers do not wait on the writer
             a.give_back(offsets)
+            writer.join(0.3)
+            assert writer.is_alive(), "the ring overwrote a record one reader still reads"
+            a.give_back(again)
             writer.join(10)
             assert not writer.is_alive() and not errors
         finally:
