@@ -11,7 +11,8 @@ in a cluster of daemons, the pass the cluster decided (the ``source`` hook of
   chose (not every sample) is persisted as ``selection-<epoch>.npz``, and the newest
   ``keep_selections`` are kept, so a checkpoint that old replays its epoch exactly
   (``check_replayable``);
-- the plan cache: ``plan_pass`` over a pass's inputs, once per (epoch, phase) for every rank.
+- the plan cache: ``plan_pass`` over a pass's inputs, once per (epoch, phase) for every rank;
+  the next epoch's shuffle is drawn ahead where its size is known (``ShuffleAhead``).
 
 Nothing here runs until a pass is opened or asked for: restoring a job plans nothing.
 """
@@ -29,7 +30,7 @@ import numpy as np
 
 from loaderd.importance import ImportanceEngine
 from loaderd.journal import write_atomic
-from loaderd.planner import RankPlan, num_batches, plan_pass
+from loaderd.planner import RankPlan, ShuffleAhead, num_batches, plan_pass
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class EpochPlanner:
         self._on_selection = on_selection
         self._cache: dict[PassKey, _Planned] = {}
         self._selections: dict[int, Inputs] = {}
+        self._shuffles = ShuffleAhead(seed)
 
     def detach(self) -> None:
         """Write nothing more to the state directory (the job is being reset)."""
@@ -274,10 +276,13 @@ class EpochPlanner:
                 world_size=self.world_size,
                 batch_size=self.batch_size,
                 drop_last=self.drop_last,
+                order=self._shuffles.take(epoch, phase, len(inputs[0])),
             )
             got = _Planned(inputs, plans)
             self._cache = {k: v for k, v in self._cache.items() if k[0] >= epoch - 1}
             self._cache[key] = got
+            if phase == "train" and self.engine.selects_all(epoch + 1):  # its size is known
+                self._shuffles.draw(epoch + 1, "train", self.engine.num_samples)
         return got
 
     def inputs(self, rank: int, epoch: int, phase: str) -> Inputs:

@@ -6,6 +6,8 @@ computes the same one; the acknowledged position in it is the only cursor that n
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +42,51 @@ def rng_for(seed: int, epoch: int, phase: str) -> np.random.Generator:
     )
 
 
+def shuffle(seed: int, epoch: int, phase: str, n: int) -> np.ndarray:
+    """A pass's order of its ``n`` entries: a function of (seed, epoch, phase, n) alone."""
+    order: np.ndarray = rng_for(seed, epoch, phase).permutation(n)
+    return order
+
+
+class ShuffleAhead:
+    """A job's next shuffle, drawn on a thread while the current pass runs.
+
+    The shuffle was most of planning a pass of every sample: ~40 ms at a million samples, at
+    the epoch's start, on the server loop. It depends on (seed, epoch, phase, n) alone, so an
+    epoch whose size is known before it starts (every sample) is shuffled ahead; numpy lets go
+    of the GIL while it draws. One thread for every job of the daemon: a draw is short.
+    """
+
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._ahead: dict[tuple[int, str, int], Future[np.ndarray]] = {}
+
+    def draw(self, epoch: int, phase: str, n: int) -> None:
+        """Start drawing the shuffle of (epoch, phase) over ``n`` entries."""
+        key = (epoch, phase, n)
+        if key not in self._ahead:
+            self._ahead[key] = self._thread().submit(shuffle, self.seed, epoch, phase, n)
+
+    def take(self, epoch: int, phase: str, n: int) -> np.ndarray:
+        """The shuffle of (epoch, phase) over ``n`` entries: the one drawn ahead, or drawn now.
+
+        Draws for earlier epochs, or of another size, are dropped: they will not be asked for.
+        """
+        ahead = self._ahead.pop((epoch, phase, n), None)
+        self._ahead = {k: f for k, f in self._ahead.items() if k[0] > epoch}
+        return ahead.result() if ahead is not None else shuffle(self.seed, epoch, phase, n)
+
+    @classmethod
+    def _thread(cls) -> ThreadPoolExecutor:
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="loaderd-shuffle")
+            return cls._pool
+
+
 def plan_pass(
     ids: np.ndarray,
     weights: np.ndarray,
@@ -50,6 +97,7 @@ def plan_pass(
     world_size: int,
     batch_size: int,
     drop_last: bool = False,
+    order: np.ndarray | None = None,
 ) -> list[RankPlan]:
     """Shuffle the selected samples and split them over ranks into batches, as PyTorch does.
 
@@ -72,13 +120,18 @@ def plan_pass(
         world_size: the number of ranks.
         batch_size: the batch size.
         drop_last: drop the remainders instead of padding and short batches.
+        order: the pass's shuffle, where it was drawn already (``ShuffleAhead``); it must be
+            ``shuffle(seed, epoch, phase, len(ids))``.
 
     Returns:
         One plan per rank.
     """
     if len(ids) != len(weights):
         raise ValueError(f"{len(ids)} ids but {len(weights)} weights")
-    order = rng_for(seed, epoch, phase).permutation(len(ids))
+    if order is None:
+        order = shuffle(seed, epoch, phase, len(ids))
+    elif len(order) != len(ids):
+        raise ValueError(f"a shuffle of {len(order)} entries for a pass of {len(ids)}")
     if phase == "rescore":
         return _even_split(ids[order], weights[order], world_size, batch_size)
     if drop_last:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loaderd.planner import num_batches, plan_pass, rng_for
+from loaderd.planner import ShuffleAhead, num_batches, plan_pass, rng_for, shuffle
 
 
 def plan(
@@ -92,6 +92,37 @@ def test_mismatched_weights_are_refused() -> None:
             phase="train",
             world_size=1,
             batch_size=2,
+        )
+
+
+def test_a_shuffle_drawn_ahead_is_the_one_drawn_at_the_start() -> None:
+    ahead = ShuffleAhead(seed=5)
+    ahead.draw(3, "train", 1000)
+    ahead.draw(4, "train", 1000)
+    ahead.draw(3, "train", 999)  # drawn for a size the epoch turns out not to have
+    np.testing.assert_array_equal(ahead.take(3, "train", 1000), shuffle(5, 3, "train", 1000))
+    np.testing.assert_array_equal(ahead.take(3, "rescore", 7), shuffle(5, 3, "rescore", 7))
+    np.testing.assert_array_equal(ahead.take(4, "train", 1001), shuffle(5, 4, "train", 1001))
+    ids = np.arange(1000, dtype=np.int64)
+    spec = dict(seed=5, epoch=4, phase="train", world_size=3, batch_size=7)
+    ahead.draw(4, "train", 1000)
+    drawn = plan_pass(ids, ids * 0.5, order=ahead.take(4, "train", 1000), **spec)
+    for a, b in zip(drawn, plan_pass(ids, ids * 0.5, **spec), strict=True):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.bounds, b.bounds)
+
+
+def test_a_shuffle_of_another_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="a shuffle of 4 entries for a pass of 5"):
+        plan_pass(
+            np.arange(5),
+            np.ones(5, np.float32),
+            seed=0,
+            epoch=0,
+            phase="train",
+            world_size=1,
+            batch_size=2,
+            order=np.arange(4),
         )
 
 
