@@ -31,7 +31,7 @@ from typing import Any
 
 from _baselines import BATCH, dataloader, held_in_cache
 from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
-from bench_throughput import Context, run_epoch
+from bench_throughput import Context, context_args, run_epoch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -210,10 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the job's sampler; any other than uniform selects half of each epoch after the "
         "first (warm-up 1, no re-score) and each batch's losses are sent back",
     )
-    p.add_argument("--name", default="ab")
-    p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
-    p.add_argument("--out", default=str(HERE / "results"))
-    p.set_defaults(profile=False, shm_slots=0)
+    context_args(p, "ab")
     return p.parse_args(argv)
 
 

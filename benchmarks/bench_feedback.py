@@ -17,7 +17,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,9 +26,7 @@ from typing import Any
 import torch
 from _baselines import BATCH, held_in_cache
 from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
-from bench_throughput import Context, Served
-
-HERE = Path(__file__).resolve().parent
+from bench_throughput import Context, Served, context_args
 
 
 def cpu_s(pid: int) -> float:
@@ -122,10 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-request", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--rounds", type=int, default=4, help="daemons of each kind")
     p.add_argument("--epochs", type=int, default=3, help="hit epochs a daemon; the best counts")
-    p.add_argument("--name", default="feedback")
-    p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
-    p.add_argument("--out", default=str(HERE / "results"))
-    p.set_defaults(profile=False, shm_slots=0)
+    context_args(p, "feedback")
     return p.parse_args(argv)
 
 

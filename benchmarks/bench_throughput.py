@@ -329,6 +329,14 @@ def trainers(db: Path, ctx: Context, dram: int, count: int, epochs: int) -> dict
         ctx.stop(srv)
 
 
+def context_args(p: argparse.ArgumentParser, name: str) -> None:
+    """Options of another benchmark built on ``Context``: its data, and where its results go."""
+    p.add_argument("--name", default=name)
+    p.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "loaderd-bench"))
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.set_defaults(profile=False, shm_slots=0)
+
+
 class Context:
     """What one run owns: daemons, the data directory, profiles. Cleans up on any exit."""
 

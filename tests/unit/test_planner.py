@@ -82,16 +82,22 @@ def test_repeated_ids_are_kept() -> None:
     assert sorted(flat_ids(plans).tolist()) == [1, 3, 3, 3]
 
 
-def test_mismatched_weights_are_refused() -> None:
-    with pytest.raises(ValueError, match="5 ids but 4 weights"):
+@pytest.mark.parametrize(
+    "weights, order, match",
+    [(4, None, "5 ids but 4 weights"), (5, 4, "a shuffle of 4 entries for a pass of 5")],
+    ids=["weights", "shuffle"],
+)
+def test_inputs_of_another_length_are_refused(weights: int, order: int | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
         plan_pass(
             np.arange(5),
-            np.ones(4, np.float32),
+            np.ones(weights, np.float32),
             seed=0,
             epoch=0,
             phase="train",
             world_size=1,
             batch_size=2,
+            order=None if order is None else np.arange(order),
         )
 
 
@@ -110,20 +116,6 @@ def test_a_shuffle_drawn_ahead_is_the_one_drawn_at_the_start() -> None:
     for a, b in zip(drawn, plan_pass(ids, ids * 0.5, **spec), strict=True):
         np.testing.assert_array_equal(a.ids, b.ids)
         np.testing.assert_array_equal(a.bounds, b.bounds)
-
-
-def test_a_shuffle_of_another_size_is_refused() -> None:
-    with pytest.raises(ValueError, match="a shuffle of 4 entries for a pass of 5"):
-        plan_pass(
-            np.arange(5),
-            np.ones(5, np.float32),
-            seed=0,
-            epoch=0,
-            phase="train",
-            world_size=1,
-            batch_size=2,
-            order=np.arange(4),
-        )
 
 
 def test_empty_selection() -> None:
