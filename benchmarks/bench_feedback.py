@@ -5,8 +5,8 @@ order reversed every other round). Each daemon serves one trainer: a first epoch
 misses), then ``--epochs`` hit epochs of which the best counts. With feedback, each batch's
 losses go back through ``ds.feedback`` as a training loop sends them; the client gathers them
 into one FEEDBACK of ``--per-request`` samples (``client/losses.py``; set here on the
-dataset's batcher). Also the daemon's and the trainer's CPU a batch (``/proc``, and this
-process's ``process_time``). Writes ``results/<--name>.json`` and ``.md``. Example:
+dataset's batcher). Also the daemon's and the trainer's CPU a batch (its ``psutil`` times,
+and this process's ``process_time``). Writes ``results/<--name>.json`` and ``.md``. Example:
 
     python benchmarks/bench_feedback.py --sizes 3000 --samples 100000 --per-request 512 4096
 """
@@ -14,7 +14,6 @@ process's ``process_time``). Writes ``results/<--name>.json`` and ``.md``. Examp
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -27,13 +26,6 @@ import torch
 from _baselines import BATCH, held_in_cache
 from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
 from bench_throughput import Context, Served, context_args
-
-
-def cpu_s(pid: int) -> float:
-    """User and system CPU seconds of a process so far, all its threads."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_daemon(ctx: Context, db: Path, epochs: int, per_request: int) -> dict[str, float]:
@@ -49,14 +41,14 @@ def one_daemon(ctx: Context, db: Path, epochs: int, per_request: int) -> dict[st
             ds._losses = LossBatcher(samples=per_request)
         best: dict[str, float] = {}
         for epoch in range(epochs + 1):
-            d0, t0, w0 = cpu_s(srv.proc.pid), time.process_time(), time.perf_counter()
+            d0, t0, w0 = sum(srv.ps.cpu_times()[:2]), time.process_time(), time.perf_counter()
             n = batches = 0
             for b in ds:
                 n += len(b["id"])
                 batches += 1
                 if per_request:
                     ds.feedback(b["id"], torch.ones(len(b["id"])))
-            d1, t1, w1 = cpu_s(srv.proc.pid), time.process_time(), time.perf_counter()
+            d1, t1, w1 = sum(srv.ps.cpu_times()[:2]), time.process_time(), time.perf_counter()
             rate = n / (w1 - w0)
             if epoch and rate > best.get("hit", 0):  # the first epoch is the warm misses
                 best = {
