@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +23,13 @@ def start_daemon(
     state_dir: Path | None = None,
     extra: Sequence[str] = (),
     log: Path | None = None,
+    under: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
-    """Start ``python -m loaderd serve`` in the background (output to ``log`` if given)."""
-    cmd = [sys.executable, "-m", "loaderd", "serve", "--db", str(db), "--socket", socket]
+    """Start ``python -m loaderd serve`` in the background (output to ``log`` if given).
+
+    ``under``: a command the daemon runs under, which execs it (``setpriv ...``).
+    """
+    cmd = [*under, sys.executable, "-m", "loaderd", "serve", "--db", str(db), "--socket", socket]
     if state_dir is not None:
         cmd += ["--state-dir", str(state_dir)]
     cmd += list(extra)
@@ -67,3 +72,25 @@ def stop_daemon(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode
+
+
+# An ordinary user's RLIMIT_MEMLOCK on most distributions.
+MEMLOCK_DEFAULT = 8 << 20
+_CAP_IPC_LOCK = 14
+
+
+def as_ordinary_user(memlock_bytes: int = MEMLOCK_DEFAULT) -> list[str] | None:
+    """``under`` for a daemon that may lock no more pages than an ordinary user may.
+
+    The limit set to ``memlock_bytes`` (``prlimit``; an ordinary user's is usually 8 MiB),
+    and for a process that may lock any amount (``CAP_IPC_LOCK``, root's) that capability
+    dropped (``setpriv``): what a daemon run without privileges does, for tests and
+    benchmarks run as root. None where those tools are missing.
+    """
+    status = Path("/proc/self/status").read_text()
+    caps = int(next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16)
+    under = ["prlimit", f"--memlock={memlock_bytes}:{memlock_bytes}"]
+    if caps >> _CAP_IPC_LOCK & 1:
+        under += ["setpriv", "--bounding-set=-ipc_lock"]
+    tools = [under[0], *under[2:3]]
+    return under if all(map(shutil.which, tools)) else None

@@ -101,6 +101,7 @@ class Daemon:
     state_dir: Path
     extra: list[str] = field(default_factory=list)
     sock_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ld-", dir="/tmp")))
+    under: list[str] = field(default_factory=list)  # a command the daemon runs under
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -115,7 +116,12 @@ class Daemon:
     def start(self) -> Daemon:
         self.state_dir.parent.mkdir(parents=True, exist_ok=True)
         self.proc = start_daemon(
-            self.db, self.address, state_dir=self.state_dir, extra=self.extra, log=self.log
+            self.db,
+            self.address,
+            state_dir=self.state_dir,
+            extra=self.extra,
+            log=self.log,
+            under=self.under,
         )
         try:
             wait_ready(self.address, timeout_s=20, proc=self.proc)
