@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=CacheConfig().lock_pages,
         help="hold large records in DRAM as the store's pages locked in RAM (mlock) rather "
-        "than as copies (default: on; off, or an RLIMIT_MEMLOCK that refuses, copies)",
+        "than as copies (default: on; where RLIMIT_MEMLOCK refuses, a DRAM that holds the "
+        "whole store holds a copy of it made at start, else records are copied; off: copies)",
     )
     s.add_argument(
         "--dram-load",

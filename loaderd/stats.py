@@ -46,12 +46,16 @@ def _rows(title: str, rows: list[tuple[str, str]]) -> list[str]:
     return [title, *(f"  {k:<{width}}  {v}" for k, v in rows)]
 
 
-def _map_load(load: dict[str, Any]) -> str:
-    """How far the DRAM tier's load of the whole store got, as one table cell."""
+def _map_load(load: dict[str, Any], owned: bool) -> str:
+    """How far the DRAM tier's load of the whole store got, as one table cell.
+
+    ``owned``: loaded as a copy of the daemon's own, which may not lock pages.
+    """
     done = f"{human_bytes(load['loaded_bytes'])} of {human_bytes(load['total_bytes'])}"
+    how = ", copied (pages may not be locked)" if owned else ""
     if load.get("error"):
-        return f"{done} (stopped: {load['error']}; the rest as records are read)"
-    return f"{done} in {load['seconds']:.1f} s"
+        return f"{done}{how} (stopped: {load['error']}; the rest as records are read)"
+    return f"{done}{how} in {load['seconds']:.1f} s"
 
 
 def format_table(stats: dict[str, Any]) -> str:
@@ -97,7 +101,7 @@ def format_table(stats: dict[str, Any]) -> str:
             if k in tier
         ]
         if "map_load" in tier:  # the whole store brought in at start (``map_loader.py``)
-            rows.append(("store in RAM", _map_load(tier["map_load"])))
+            rows.append(("store in RAM", _map_load(tier["map_load"], tier.get("map_owned", False))))
         out += _rows(f"tier {tier['name']}", rows)
     out += _rows(
         "cache (all tiers)",

@@ -144,8 +144,10 @@ class SampleStore:
         self._fd_lock = threading.Lock()  # the read-ahead and assembly threads both advise
         self._psize = int(self._env.stat()["psize"])
         self._locks = PageLocks()
-        self._map_locked: tuple[int, int] | None = None  # [start, end) locked (``lock_map``)
-        self._map_resident = False  # every page of the locked map is mapped (``map_loaded``)
+        # [start, end) of the map held whole in RAM: locked (``lock_map``) or owned (``own_map``)
+        self._map_held: tuple[int, int] | None = None
+        self._map_owned = False
+        self._map_resident = False  # every page of the held map is mapped (``map_loaded``)
 
     def get(self, sample_id: int) -> bytes:
         """One verified record.
@@ -645,17 +647,18 @@ class SampleStore:
 
         ``addresses``: where each record lies (``address_of``), where the caller has them.
 
-        Once the whole map is locked (``lock_map``), a record of ``copy_below`` or more
-        is held as it is: its pages are locked as they are mapped, and they are mapped here,
+        Once the whole map is held (``lock_map``, ``own_map``), a record of ``copy_below``
+        or more is held as it is: its pages are locked as they are mapped (or are the
+        process's own once the loader has copied them), and they are mapped here,
         for all the records at once (``populate_read``), since a miss worker read them
         through a map of its own; once every page of the map is mapped (``map_loaded``),
         that call is left out: asked for pages already mapped, the kernel still walks and
         counts each one, ~5 us a 100 KB record in single pages, the cost of mapping them.
         A record of no view of the map (``bytes``) is to be copied.
         """
-        if self._map_locked is None:
+        if self._map_held is None:
             return [self._pin_one(r) if self._locks.enabled else None for r in records]
-        lo, hi = self._map_locked
+        lo, hi = self._map_held
         n = len(records)
         sizes = np.fromiter(map(len, records), np.int64, n)
         large = sizes >= self.copy_below
@@ -667,7 +670,7 @@ class SampleStore:
         held = large & (addresses >= lo) & (addresses < hi)
         starts = addresses[held]
         first = starts - starts % self._psize
-        if len(first) and not self._map_resident:
+        if len(first) and not self.holds_free:
             populate_read(first, starts + sizes[held] - first)  # else on first touch
         return [still_locked if h else None for h in held.tolist()]
 
@@ -704,26 +707,50 @@ class SampleStore:
                 os.strerror(err) if err else "map not found",
             )
             return False
-        self._map_locked = (base, base + size)
+        self._map_held = (base, base + size)
+        return True
+
+    def own_map(self) -> bool:
+        """Hold data.mdb's map in RAM as memory of this process's own, where it may not lock.
+
+        What ``lock_map`` does for a DRAM tier that can hold the whole store, for a process
+        ``RLIMIT_MEMLOCK`` refuses: a ``MapLoader`` with ``copy_from`` then copies the file
+        into anonymous memory a chunk at a time and moves each chunk over the map's pages,
+        at the same addresses. The store is immutable while served, so LMDB and every view
+        read the same bytes there, from memory the kernel does not take back as page cache
+        (it may swap it, as it may any copy). ``pin_many`` holds records as with a locked
+        map; one the loader has not passed yet is held by the page cache until it does.
+        False where the map is not found.
+        """
+        base = self._map_start
+        if base is None:
+            return False
+        self._map_held = (base, base + -(-self.file_bytes // self._psize) * self._psize)
+        self._map_owned = True
         return True
 
     @property
     def map_locked(self) -> bool:
         """Whether ``lock_map`` locked the whole map."""
-        return self._map_locked is not None
+        return self._map_held is not None and not self._map_owned
+
+    @property
+    def map_owned(self) -> bool:
+        """Whether the map is held as memory of this process's own (``own_map``)."""
+        return self._map_owned
 
     def map_loaded(self) -> None:
-        """Note that every page of the locked map is mapped now (``map_loader.py``).
+        """Note that every page of the held map is mapped now (``map_loader.py``).
 
         A record of it is held from here on with no system call at all (``pin_many``).
         """
-        if self._map_locked is not None:
+        if self._map_held is not None:
             self._map_resident = True
 
     @property
     def copy_below(self) -> int:
         """The size under which ``pin_many`` leaves a record to be copied."""
-        if self._map_locked is None:
+        if self._map_held is None:
             return PIN_MIN_BYTES
         return 0 if self.gathers_by_address else VIEW_MIN_BYTES
 
@@ -739,13 +766,22 @@ class SampleStore:
 
     @property
     def map_resident(self) -> bool:
-        """Whether every page of the map ``lock_map`` locked is mapped (``map_loaded``)."""
+        """Whether every page of the held map is mapped (``map_loaded``)."""
         return self._map_resident
 
     @property
-    def locked_range(self) -> tuple[int, int] | None:
-        """``[start, end)`` of the map ``lock_map`` locked, in this process; None: not locked."""
-        return self._map_locked
+    def holds_free(self) -> bool:
+        """Whether ``pin_many`` holds a record of the held map with no system call.
+
+        Once every page of a locked map is mapped (``map_loaded``), and in an owned map from
+        the start: mapping the file's pages there would hold nothing, the copy does.
+        """
+        return self._map_resident or self._map_owned
+
+    @property
+    def held_range(self) -> tuple[int, int] | None:
+        """``[start, end)`` of the map held whole (locked or owned), in this process; None: not."""
+        return self._map_held
 
     @property
     def file_bytes(self) -> int:

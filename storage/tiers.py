@@ -76,21 +76,39 @@ class ArenaLoan:
             self._arena.give_back(lent)
 
 
-def _load_whole(store: SampleStore) -> MapLoader | None:
-    """A ``MapLoader`` of the store's locked map, where the file fits in available memory."""
-    span = store.locked_range
-    if span is None:
+def _room_for(store: SampleStore) -> bool:
+    """Whether data.mdb fits in the memory available, to be brought into RAM at start."""
+    if store.file_bytes <= memory_available() * MEMORY_SHARE:
+        return True
+    logger.info(
+        "store %s: %d MiB is more than the memory available: it is brought into RAM as "
+        "records are read, not at start",
+        store.path,
+        store.file_bytes >> 20,
+    )
+    return False
+
+
+def _hold_whole(store: SampleStore, load: bool) -> MapLoader | None:
+    """Hold the store's map in RAM for a DRAM tier that can hold all of it; its loader.
+
+    Locked (``lock_map``), and brought in at start where ``load`` and it fits the memory
+    available. Where the process may not lock, owned (``own_map``): only the loader, which
+    copies it, can make it so. None: no loader (the map may be locked still).
+    """
+    locked = store.lock_map()
+    if not (load and _room_for(store)) or not (locked or store.own_map()):
         return None
+    span = store.held_range
+    assert span is not None
     lo, hi = span
-    if hi - lo > memory_available() * MEMORY_SHARE:
-        logger.info(
-            "store %s: %d MiB is more than the memory available: it is brought into RAM as "
-            "records are read, not at start",
-            store.path,
-            (hi - lo) >> 20,
-        )
-        return None
-    return MapLoader(lo, hi - lo, label=f"store {store.path}", on_done=store.map_loaded)
+    return MapLoader(
+        lo,
+        hi - lo,
+        label=f"store {store.path}",
+        on_done=store.map_loaded,
+        copy_from=store.path / "data.mdb" if store.map_owned else None,
+    )
 
 
 class TierStack:
@@ -107,10 +125,12 @@ class TierStack:
         admit_queue_bytes: record bytes waiting for DRAM admission at most, admitted by a
             background thread (full: an admission is dropped, never waited for); 0 (default)
             admits during the read.
-        lock_pages: whether DRAM may hold a large record as the store's pages locked in RAM
-            (``SampleStore.pin``); False: as a copy.
-        load_map: where DRAM can hold the whole store and its map is locked, bring the whole
-            file in at once, in file order (``map_loader.py``); False: as records are read.
+        lock_pages: whether DRAM may hold a record as the store's pages, locked in RAM
+            (``SampleStore.pin``) or, where it can hold the whole store and the process may
+            not lock, copied whole into memory of its own (``own_map``); False: as a copy.
+        load_map: where DRAM can hold the whole store, bring the whole file in at once, in
+            file order (``map_loader.py``); False: as records are read (and a process that
+            may not lock copies them).
     """
 
     def __init__(
@@ -148,10 +168,9 @@ class TierStack:
                 located_ids=store.num_samples,
             )
         )
-        # DRAM can hold it all: no lock per record (``lock_map``), and the whole file
-        # brought in, in file order, from the start (``map_loader.py``; below).
+        # DRAM can hold it all: the map held whole, no lock per record, and the whole file
+        # brought in, in file order, from the start (``_hold_whole``; below).
         fits = lock_pages and self.dram.capacity_bytes >= store.file_bytes and store.num_samples
-        load_map = bool(fits and store.lock_map() and load_map)
         self._lock = threading.Lock()
         self._ops: deque[tuple[str, Any, Any]] = deque()  # arena work for the writer
         # Queued for the arena, served from here: bytes of their own, or views of the store's
@@ -180,7 +199,7 @@ class TierStack:
                 target=self._run_writer, name="loaderd-arena-writer", daemon=True
             )
             self._writer.start()
-        self._loader = _load_whole(store) if load_map else None
+        self._loader = _hold_whole(store, load_map) if fits else None
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -356,10 +375,10 @@ class TierStack:
             # Locking pages (or copying) for DRAM is the slow part of an admission: done
             # before taking the lock, so that assembly threads overlap it; with a queue,
             # records large enough to be locked are left to it (a small one's copy costs
-            # less than queueing it), unless every page of the map is mapped already: then
-            # holding one costs no system call, less than waking the queue's thread.
+            # less than queueing it), unless holding one costs no system call (every page
+            # of a locked map mapped already, or an owned map): less than waking the queue.
             admits = dict.fromkeys(s for k, s, t in moves if k == "admit" and t == DRAM)
-            if self._admissions is not None and not self.store.map_resident:
+            if self._admissions is not None and not self.store.holds_free:
                 admits = dict.fromkeys(s for s in admits if len(got[s]) < PIN_MIN_BYTES)
             held = dict(zip(admits, self.dram.hold_many([got[s] for s in admits]), strict=True))
             try:
@@ -376,7 +395,8 @@ class TierStack:
         What ``hold_many`` and ``put_many`` do, without a Python step per record (at 3 KB
         those steps cost the server loop about 2 us a record), where it takes no system
         call: records under ``store.copy_below`` are copied; once every page of a locked map
-        is mapped, larger ones are held as views of it. Otherwise larger ones are locked or
+        is mapped, or in an owned map, larger ones are held as views of it
+        (``store.holds_free``). Otherwise larger ones are locked or
         queued record by record (``_apply``). The admitted records were read from the store:
         ``got`` holds each.
         """
@@ -388,7 +408,7 @@ class TierStack:
         at = None
         if max(sizes) < self.store.copy_below:
             records = own_copies(records)
-        elif self.store.map_resident and min(sizes) >= self.store.copy_below:
+        elif self.store.holds_free and min(sizes) >= self.store.copy_below:
             at = np.fromiter(map(address_of, records), np.int64, len(records))
             unpins = self.store.pin_many(records, at)  # views: no system call
             if None in unpins:
@@ -595,7 +615,7 @@ class TierStack:
 
     @property
     def in_ram_whole(self) -> bool:
-        """Whether the whole store is, or is being brought, into RAM, its pages locked.
+        """Whether the whole store is, or is being brought, into RAM, its pages held.
 
         From the load's start until the tier stack closes, unless the load stopped short:
         nothing of the store is left for a read-ahead to read.
@@ -783,6 +803,7 @@ class TierStack:
             pinned=self.dram.pinned,
             locked_bytes=self.store.locked_bytes,
             map_locked=self.store.map_locked,
+            map_owned=self.store.map_owned,
         )
         if self._loader is not None:
             tiers[DRAM]["map_load"] = self._loader.stats()

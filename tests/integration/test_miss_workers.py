@@ -18,6 +18,7 @@ from loaderd.client.connection import Connection
 from loaderd.client.pids import pid_alive
 from loaderd.client.protocol import PROTOCOL_VERSION, MsgType
 from loaderd.config import default_miss_procs
+from loaderd.launch import as_ordinary_user
 from loaderd.miss_workers import PIPELINE
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store_writer import StoreWriter
@@ -110,6 +111,33 @@ def test_a_store_dram_can_hold_is_brought_in_whole_at_start(
         ds.close()
 
 
+def test_a_daemon_that_may_not_lock_holds_a_store_dram_can_hold_as_its_own_copy(
+    store: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    # An ordinary user's daemon: the store copied whole into its memory at start, in the
+    # map's place; the misses its workers read are held there, and every epoch is the
+    # store's bytes.
+    under = as_ordinary_user(64 << 10)  # less than the store: its map cannot be locked
+    if under is None:
+        pytest.skip("prlimit or setpriv is missing")
+    extra = ["--dram-bytes", "64MiB"]
+    with Daemon(db=store[0], state_dir=tmp_path / "st", extra=extra, under=under) as d:
+        dram = stats(d.address)["tiers"][0]
+        assert dram["map_owned"] and not dram["map_locked"]
+        wait_until(lambda: _loaded(stats(d.address)["tiers"][0]["map_load"]), what="the copy")
+        assert d.proc is not None
+        size = (store[0] / "data.mdb").stat().st_size
+        own = _mapped_kib(d.proc.pid, store[0] / "data.mdb", "Anonymous:")
+        assert own == _mapped_kib(d.proc.pid, store[0] / "data.mdb") and own << 10 >= size
+        ds = with_workers(d, "owned", 8)
+        for _ in range(2):
+            assert sorted(check_epoch(ds, store[1])) == list(range(N))
+        dram = admitted(d.address)
+        assert dram["pinned"] == dram["items"] == N  # held as views of the copy, not copied
+        assert stats(d.address)["readahead"]["advised_records"] == 0
+        ds.close()
+
+
 def with_workers(d: Daemon, job: str, batch_size: int, procs: int = 0) -> LoaderdDataset:
     """A dataset of ``job`` that said HELLO (which starts the workers), once all run.
 
@@ -126,13 +154,13 @@ def _loaded(load: dict[str, Any]) -> bool:
     return bool(load["loaded_bytes"] == load["total_bytes"])
 
 
-def _mapped_kib(pid: int, path: Path) -> int:
-    """KiB of ``path`` mapped in process ``pid`` (``Rss`` of its mappings)."""
+def _mapped_kib(pid: int, path: Path, field: str = "Rss:") -> int:
+    """KiB of ``path`` mapped in process ``pid`` (``Rss``, or ``field``, of its mappings)."""
     total, inside = 0, False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
             inside = line.endswith(str(path.resolve()))
-        elif inside and line.startswith("Rss:"):
+        elif inside and line.startswith(field):
             total += int(line.split()[1])
     return total
 

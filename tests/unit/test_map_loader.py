@@ -1,20 +1,29 @@
-"""The whole store brought into a locked map at start, in file order (``map_loader.py``)."""
+"""The whole store brought into RAM at start, in file order (``map_loader.py``): a locked
+map, or, where the process may not lock, a map made memory of its own."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from loaderd.launch import as_ordinary_user
 from loaderd.storage.map_loader import MapLoader
 from loaderd.storage.store import SampleStore
+from loaderd.storage.syscalls import _read_into_fresh, copy_over
 from loaderd.storage.tiers import TierStack
 from tests.helpers import evict, wait_until
 from tests.unit.test_cache_dram import big_store
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rss_and_locked_kib(path: Path) -> tuple[int, int]:
@@ -178,3 +187,131 @@ def test_a_store_larger_than_the_memory_available_is_not_brought_in_at_start(
         assert not stack.loading and not stack.in_ram_whole
         assert "more than the memory available" in caplog.text
         assert stack.get_many(np.arange(20)) == truth
+
+
+def _own_kib(path: Path) -> tuple[int, int]:
+    """KiB of ``path`` this process maps (``Rss``), and of those its own (``Anonymous``)."""
+    rss = own = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
+            inside = line.endswith(str(path.resolve()))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+        elif inside and line.startswith("Anonymous:"):
+            own += int(line.split()[1])
+    return rss, own
+
+
+def test_a_file_maps_pages_are_replaced_by_a_copy_of_its_bytes(tmp_path: Path) -> None:
+    page = mmap.PAGESIZE
+    f = tmp_path / "f"
+    data = np.random.default_rng(1).bytes(3 * page + 100)  # a partial last page
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    view = np.frombuffer(m, np.uint8)
+    base = view.ctypes.data
+    length = 4 * page
+    try:
+        assert copy_over(base, length, -1, 0) == errno.EBADF  # refused: the map as it was
+        assert bytes(view) == data and _own_kib(f)[1] == 0
+        assert copy_over(base, length, fd, 0) == 0
+        assert _own_kib(f) == (4 * page >> 10,) * 2  # every page the process's own now
+        assert bytes(view) == data  # at the same addresses, the same bytes
+        past = (ctypes.c_char * (length - len(data))).from_address(base + len(data))
+        assert bytes(past) == b"\0" * (length - len(data))  # past the end, as in the map
+        # Where the kernel cannot populate a private map (before 5.14), the file is read into
+        # fresh memory instead: the same bytes, zeros past the end.
+        fresh = _read_into_fresh(length, fd, 0)
+        assert fresh is not None
+        assert ctypes.string_at(fresh, length) == data + b"\0" * (length - len(data))
+    finally:
+        os.close(fd)
+        del view
+        m.close()
+
+
+def test_a_store_owned_whole_reads_its_bytes_while_the_copy_is_under_way(tmp_path: Path) -> None:
+    # A chunk of pages at a time, while another thread reads every record through LMDB:
+    # before its chunk is copied and after, each read is the store's bytes.
+    path, truth = big_store(tmp_path, 60, 40)
+    store = SampleStore(path)
+    try:
+        assert store.own_map() and store.map_owned and not store.map_locked
+        span = store.held_range
+        assert span is not None
+        bad: list[int] = []
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                got = store.get_many(range(60))
+                bad.extend(i for i, (a, b) in enumerate(zip(got, truth, strict=True)) if a != b)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        loader = MapLoader(
+            span[0],
+            span[1] - span[0],
+            label="test",
+            chunk_bytes=4 * mmap.PAGESIZE,
+            on_done=store.map_loaded,
+            copy_from=path / "data.mdb",
+        )
+        wait_until(lambda: not loader.running, what="the copy's end")
+        stop.set()
+        reader.join()
+        assert loader.done and loader.error is None and store.map_resident
+        assert bad == []
+        rss, own = _own_kib(path / "data.mdb")
+        assert own == rss and own << 10 >= store.file_bytes  # all of it the process's own
+        assert store.get_many(range(60)) == truth
+    finally:
+        store.close()
+
+
+def test_a_daemon_that_may_not_lock_owns_the_store_whole_where_dram_can_hold_it(
+    tmp_path: Path,
+) -> None:
+    # A real refusal: a child process that may lock no more than an ordinary user.
+    under = as_ordinary_user(64 << 10)  # less than the store: its map cannot be locked
+    if under is None:
+        pytest.skip("prlimit or setpriv is missing")
+    path, truth = big_store(tmp_path, 30, 40)
+    script = f"""
+import numpy as np, sys
+from loaderd.storage.store import SampleStore
+from loaderd.storage.syscalls import _read_into_fresh, copy_over
+from loaderd.storage.tiers import TierStack
+from tests.helpers import wait_until
+store = SampleStore({str(path)!r})
+with TierStack(store, store.file_bytes) as stack:
+    assert not store.map_locked and store.map_owned
+    wait_until(lambda: store.map_resident, what="the store copied whole")
+    got = stack.get_many(np.arange(30))
+    dram = stack.stats()["tiers"][0]
+    assert dram["map_owned"] and dram["pinned"] == 30 and dram["map_load"]["error"] is None
+    assert stack.in_ram_whole
+    sys.stdout.buffer.write(b"".join(got))
+"""
+    done = subprocess.run(
+        [*under, sys.executable, "-c", script], capture_output=True, cwd=ROOT, timeout=60
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout == b"".join(truth)
+
+
+def test_where_the_memory_available_is_short_a_store_is_not_owned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the loader makes an owned map hold anything: without one, records are held
+    # one by one (locked, or copied), as where DRAM cannot hold the store.
+    path, truth = big_store(tmp_path, 20, 40)
+    store = SampleStore(path)
+    monkeypatch.setattr(store, "lock_map", lambda: False)  # as the kernel refuses it
+    monkeypatch.setattr("loaderd.storage.tiers.memory_available", lambda: store.file_bytes)
+    with TierStack(store, 4 * store.file_bytes) as stack:
+        assert not store.map_owned and store.held_range is None and not stack.loading
+        assert stack.get_many(np.arange(20)) == truth
+        assert not stack.stats()["tiers"][0]["map_owned"]

@@ -277,3 +277,8 @@ def test_format_table_says_how_much_of_the_store_dram_brought_in_at_start() -> N
     assert "512.0 MiB of 2.0 GiB (stopped: Out of memory; the rest as records are read)" in (
         format_table(s)
     )
+    s["tiers"][0].update(map_owned=True, map_load=load)  # a daemon that may not lock
+    row = next(r for r in format_table(s).splitlines() if "store in RAM" in r)
+    assert " ".join(row.split()) == (
+        "store in RAM 2.0 GiB of 2.0 GiB, copied (pages may not be locked) in 0.6 s"
+    )
