@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
@@ -31,7 +32,7 @@ from typing import Any
 
 from _baselines import BATCH, dataloader, held_in_cache
 from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
-from bench_throughput import Context, context_args, run_epoch
+from bench_throughput import Context, context_args, ordinary_user, run_epoch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -70,6 +71,7 @@ def one_daemon(
     dram_fraction: float,
     sampler: str = "uniform",
     nvram_fraction: float = 0.0,
+    under: Sequence[str] = (),
 ) -> dict[str, float]:
     from loaderd.client import LoaderdDataset
 
@@ -82,7 +84,7 @@ def one_daemon(
             tempfile.mkdtemp(prefix="loaderd-ab-nvram-", dir=shm if shm.is_dir() else None)
         )
         extra = ["--nvram-dir", str(nvram), "--nvram-bytes", str(int(size * nvram_fraction))]
-    srv = ctx.serve(db, int(size * dram_fraction), extra)
+    srv = ctx.serve(db, int(size * dram_fraction), extra, under)
     try:
         fed = sampler != "uniform"  # a selecting job: its losses go back
         options = SELECTING if fed else {}
@@ -120,7 +122,13 @@ def bench_size(
                 put(sides[side], files)
                 runs[side].append(
                     one_daemon(
-                        ctx, db, args.epochs, args.dram_fraction, args.sampler, args.nvram_fraction
+                        ctx,
+                        db,
+                        args.epochs,
+                        args.dram_fraction,
+                        args.sampler,
+                        args.nvram_fraction,
+                        ordinary_user() if args.ordinary_user else (),
                     )
                 )
                 print(json.dumps({"size": size, "side": side, **runs[side][-1]}), flush=True)
@@ -153,6 +161,11 @@ def markdown(
         + (
             f" NVRAM arena: {args.nvram_fraction}x the store, fresh each daemon, in /dev/shm."
             if args.nvram_fraction > 0
+            else ""
+        )
+        + (
+            " Daemons run as an ordinary user may (8 MiB of pages locked at most)."
+            if args.ordinary_user
             else ""
         ),
         "",
@@ -203,6 +216,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="--nvram-bytes as a fraction of data.mdb, in /dev/shm (0: no NVRAM tier)",
+    )
+    p.add_argument(
+        "--ordinary-user",
+        action="store_true",
+        help="daemons that may lock no more pages than an ordinary user (as root: setpriv)",
     )
     p.add_argument(
         "--sampler",
