@@ -22,10 +22,11 @@ larger than the machine must not lock the machine's memory at start.
 A daemon that may not lock pages (an ordinary user's ``RLIMIT_MEMLOCK``) holds the map
 another way (``SampleStore.own_map``): the loader copies each chunk of the file into memory
 of the daemon's own and moves it over the map's pages at the same addresses
-(``syscalls.copy_over``). LMDB and every view read the same bytes there, from memory the
-kernel cannot take back as page cache. Left to each admission instead, a record was copied
-into fresh heap memory, its first touch on the serving loop: a 3 KB warm first epoch ran at
-73-77 % of a locked map's speed.
+(``syscalls.private_copy``, ``move_over``). LMDB and every view read the same bytes there,
+from memory the kernel cannot take back as page cache. Left to each admission instead, a
+record was copied into fresh heap memory, its first touch on the serving loop: a 3 KB warm
+first epoch ran at 73-77 % of a locked map's speed. The copy is niced, as the admission
+thread that copies is: it yields the cores to serving, and always progresses.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from loaderd.storage.admission import BACKGROUND_NICE
-from loaderd.storage.syscalls import copy_over, madvise
+from loaderd.storage.syscalls import madvise, move_over, private_copy, unmap
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ MADV_RANDOM: Final = 1  # what LMDB asks of its map when opened without read-ahe
 MADV_SEQUENTIAL: Final = 2
 MADV_POPULATE_READ: Final = 22  # Linux 5.14
 CHUNK_BYTES: Final = 64 << 20  # one madvise: 16-45 ms of a cold disk here, so close is prompt
+_STOPPED: Final = -1  # ``_copy``: ``close`` came first, the chunk was not moved
 MEMORY_SHARE: Final = 0.9  # of MemAvailable (``store.memory_available``) the file may take
 
 
@@ -76,7 +78,7 @@ class MapLoader:
         on_done: called on the loader's thread once the whole range is mapped.
         chunk_bytes: bytes per system call (> 0, a multiple of the page size).
         copy_from: the mapped file: each chunk is read from it into memory of this process's
-            own, which replaces the map's pages (``copy_over``); None: the map's own pages
+            own, which replaces the map's pages (``move_over``); None: the map's own pages
             are mapped (a locked map).
     """
 
@@ -102,6 +104,7 @@ class MapLoader:
         self.seconds = 0.0
         self.error: str | None = None  # why it stopped short, if it did
         self._stop = threading.Event()
+        self._moving = threading.Lock()  # a chunk's move, which ``close`` waits for
         self._thread = threading.Thread(target=self._run, name="loaderd-map-load", daemon=True)
         self._thread.start()
 
@@ -137,13 +140,11 @@ class MapLoader:
         offset = 0
         while offset < self.length and not self._stop.is_set():
             n = min(self.chunk_bytes, self.length - offset)
-            err = (
-                self._load(self.address + offset, n)
-                if fd < 0
-                else copy_over(self.address + offset, n, fd, offset)
-            )
+            err = self._load(self.address + offset, n) if fd < 0 else self._copy(offset, n, fd)
             if err == errno.EINTR:
                 continue  # a signal came: the same chunk again (what is done stays done)
+            if err == _STOPPED:
+                break
             if err:
                 self.error = os.strerror(err)
                 logger.info(
@@ -168,6 +169,26 @@ class MapLoader:
                 self.seconds,
             )
 
+    def _copy(self, offset: int, length: int, fd: int) -> int:
+        """Copy one chunk and move it over the map's pages; 0 or the error.
+
+        Never once ``close`` has begun: the store's map may be gone after it, and its
+        addresses mapped again to something else.
+        """
+        try:
+            fresh = private_copy(length, fd, offset)
+        except OSError as e:
+            return e.errno or errno.EIO
+        with self._moving:
+            if self._stop.is_set():
+                unmap(fresh, length)
+                return _STOPPED
+            try:
+                move_over(fresh, length, self.address + offset)
+            except OSError as e:
+                return e.errno or errno.EIO
+        return 0
+
     @staticmethod
     def _load(address: int, length: int) -> int:
         """Map one chunk, read ahead as a sequential stream; 0 or the error."""
@@ -187,6 +208,11 @@ class MapLoader:
         }
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop after the chunk under way (safe to call twice)."""
-        self._stop.set()
+        """Stop after the chunk under way (safe to call twice).
+
+        Past ``timeout_s`` the thread is left to finish its chunk, but a copy is never moved
+        over the map once this returns.
+        """
+        with self._moving:
+            self._stop.set()
         self._thread.join(timeout_s)

@@ -168,44 +168,63 @@ def mlock(address: int, length: int) -> int:
     return int(_mlock(address, length))
 
 
-def copy_over(address: int, length: int, fd: int, offset: int) -> int:
-    """Replace a read-only file map's pages by a copy of the file's bytes in memory of its own.
+def private_copy(length: int, fd: int, offset: int) -> int:
+    """Read-only pages of this process's own holding ``length`` bytes of a file from ``offset``.
 
-    ``[address, address + length)`` (whole pages) maps the file at ``offset``. The copy is
-    made in a private map of the same range of the file, whose every page is written to at
-    once (``MADV_POPULATE_WRITE``): each page is copied from the page cache into a page of
-    its own, one pass over memory (2.5-2.8 GB/s here, against 1.8-1.9 for reading the file
-    into fresh anonymous memory, zeroed first, the way left for a kernel before 5.14). The
-    copy is then moved over the map's pages in one step (``mremap``): a thread reading the
-    range sees the file's bytes throughout, from the page cache before and from the copy
-    after. Returns 0, or the error (the map is left as it was).
+    For ``move_over``: a copy to take the place of a file map's pages. It is made in a private
+    map of that range of the file, whose every page is written to at once
+    (``MADV_POPULATE_WRITE``): each page is copied from the page cache into a page of its own,
+    one pass over memory (2.5-2.8 GB/s here, against 1.8-1.9 for reading the file into fresh
+    anonymous memory, zeroed first, the way left for a kernel before 5.14). ``offset`` and
+    ``length`` are whole pages; past the file's end the copy reads as zeros, as the map does.
+    Returns the copy's address.
+
+    Raises:
+        OSError: the kernel refused (no memory, an I/O error); nothing is left mapped.
     """
     rw = mmap.PROT_READ | mmap.PROT_WRITE
-    fresh: int | None = _mmap(None, length, rw, mmap.MAP_PRIVATE, fd, offset)
+    fresh = _mmap(None, length, rw, mmap.MAP_PRIVATE, fd, offset)
     if fresh in (None, _MAP_FAILED):
-        return ctypes.get_errno() or errno.ENOMEM
-    moved = False
+        raise _errno_error("mmap")
     try:
         if _populate_write(fresh, length) != 0:
-            err = ctypes.get_errno()
-            if err != errno.EINVAL:
-                return err
-            _munmap(fresh, length)
+            if ctypes.get_errno() != errno.EINVAL:
+                raise _errno_error("madvise")
+            unmap(fresh, length)
             fresh = None
             fresh = _read_into_fresh(length, fd, offset)
-            if fresh is None:
-                return ctypes.get_errno() or errno.ENOMEM
         if _mprotect(fresh, length, mmap.PROT_READ) != 0:
-            return ctypes.get_errno()
-        if _mremap(fresh, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, address) != address:
-            return ctypes.get_errno()
-        moved = True
-        return 0
-    except OSError as e:
-        return e.errno or errno.EIO
-    finally:
-        if not moved and fresh is not None:
-            _munmap(fresh, length)
+            raise _errno_error("mprotect")
+    except BaseException:
+        if fresh is not None:
+            unmap(fresh, length)
+        raise
+    return int(fresh)
+
+
+def move_over(source: int, length: int, address: int) -> None:
+    """Move the pages at ``source`` to ``address`` in one step, in the place of what lies there.
+
+    ``mremap(MREMAP_FIXED)``: a thread reading ``[address, address + length)`` sees the old
+    pages, then the moved ones, never a hole.
+
+    Raises:
+        OSError: the kernel refused; ``source`` is unmapped, ``address`` left as it was.
+    """
+    if _mremap(source, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, address) != address:
+        err = _errno_error("mremap")
+        unmap(source, length)
+        raise err
+
+
+def unmap(address: int, length: int) -> None:
+    """``munmap`` of pages this module mapped (``private_copy``)."""
+    _munmap(address, length)
+
+
+def _errno_error(call: str) -> OSError:
+    err = ctypes.get_errno() or errno.ENOMEM
+    return OSError(err, f"{call}: {os.strerror(err)}")
 
 
 def _populate_write(address: int, length: int) -> int:
@@ -223,22 +242,23 @@ def _populate_write(address: int, length: int) -> int:
     return 0
 
 
-def _read_into_fresh(length: int, fd: int, offset: int) -> int | None:
-    """Anonymous pages holding ``length`` bytes of the file from ``offset``; None: no memory.
+def _read_into_fresh(length: int, fd: int, offset: int) -> int:
+    """Anonymous pages holding ``length`` bytes of the file from ``offset``, zeros past its end.
 
-    Past the file's end they read as zeros, as the map does. Raises OSError of the read.
+    Raises:
+        OSError: no memory, or the read's error (nothing is left mapped).
     """
     rw = mmap.PROT_READ | mmap.PROT_WRITE
     fresh = _mmap(None, length, rw, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_POPULATE, -1, 0)
     if fresh in (None, _MAP_FAILED):
-        return None
+        raise _errno_error("mmap")
     try:
         into = memoryview((ctypes.c_char * length).from_address(fresh)).cast("B")
         done = 0
         while done < length and (n := os.preadv(fd, [into[done:]], offset + done)):
             done += n
     except OSError:
-        _munmap(fresh, length)
+        unmap(fresh, length)
         raise
     return int(fresh)
 

@@ -4,12 +4,12 @@ map, or, where the process may not lock, a map made memory of its own."""
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ import pytest
 from loaderd.launch import as_ordinary_user
 from loaderd.storage.map_loader import MapLoader
 from loaderd.storage.store import SampleStore
-from loaderd.storage.syscalls import _read_into_fresh, copy_over
+from loaderd.storage.syscalls import _read_into_fresh, move_over, private_copy
 from loaderd.storage.tiers import TierStack
 from tests.helpers import evict, wait_until
 from tests.unit.test_cache_dram import big_store
@@ -214,9 +214,10 @@ def test_a_file_maps_pages_are_replaced_by_a_copy_of_its_bytes(tmp_path: Path) -
     base = view.ctypes.data
     length = 4 * page
     try:
-        assert copy_over(base, length, -1, 0) == errno.EBADF  # refused: the map as it was
-        assert bytes(view) == data and _own_kib(f)[1] == 0
-        assert copy_over(base, length, fd, 0) == 0
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            private_copy(length, -1, 0)
+        assert bytes(view) == data and _own_kib(f)[1] == 0  # the map as it was
+        move_over(private_copy(length, fd, 0), length, base)
         assert _own_kib(f) == (4 * page >> 10,) * 2  # every page the process's own now
         assert bytes(view) == data  # at the same addresses, the same bytes
         past = (ctypes.c_char * (length - len(data))).from_address(base + len(data))
@@ -224,7 +225,6 @@ def test_a_file_maps_pages_are_replaced_by_a_copy_of_its_bytes(tmp_path: Path) -
         # Where the kernel cannot populate a private map (before 5.14), the file is read into
         # fresh memory instead: the same bytes, zeros past the end.
         fresh = _read_into_fresh(length, fd, 0)
-        assert fresh is not None
         assert ctypes.string_at(fresh, length) == data + b"\0" * (length - len(data))
     finally:
         os.close(fd)
@@ -271,6 +271,37 @@ def test_a_store_owned_whole_reads_its_bytes_while_the_copy_is_under_way(tmp_pat
         store.close()
 
 
+def test_a_copy_closed_part_way_moves_nothing_more_and_counts_what_it_moved(
+    tmp_path: Path,
+) -> None:
+    # After ``close`` the store's map may go away and its addresses be mapped again: no
+    # chunk may be moved there. What was moved is what the loader says it loaded.
+    path, truth = big_store(tmp_path, 200, 200)  # 10,000 chunks of a page: closed part way
+    store = SampleStore(path)
+    try:
+        store.own_map()
+        span = store.held_range
+        assert span is not None
+        loader = MapLoader(
+            span[0],
+            span[1] - span[0],
+            label="test",
+            chunk_bytes=mmap.PAGESIZE,
+            on_done=store.map_loaded,
+            copy_from=path / "data.mdb",
+        )
+        wait_until(lambda: loader.loaded_bytes > 0, what="a first chunk")
+        loader.close()
+        moved = _own_kib(path / "data.mdb")[1] << 10
+        assert 0 < moved == loader.loaded_bytes < loader.length and not store.map_resident
+        time.sleep(0.05)
+        assert _own_kib(path / "data.mdb")[1] << 10 == moved  # nothing more after ``close``
+        assert loader.error is None
+        assert store.get_many(range(200)) == truth  # copied or not, the store's bytes
+    finally:
+        store.close()
+
+
 def test_a_daemon_that_may_not_lock_owns_the_store_whole_where_dram_can_hold_it(
     tmp_path: Path,
 ) -> None:
@@ -282,7 +313,7 @@ def test_a_daemon_that_may_not_lock_owns_the_store_whole_where_dram_can_hold_it(
     script = f"""
 import numpy as np, sys
 from loaderd.storage.store import SampleStore
-from loaderd.storage.syscalls import _read_into_fresh, copy_over
+from loaderd.storage.syscalls import _read_into_fresh, move_over, private_copy
 from loaderd.storage.tiers import TierStack
 from tests.helpers import wait_until
 store = SampleStore({str(path)!r})
