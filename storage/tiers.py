@@ -97,7 +97,9 @@ def _hold_whole(store: SampleStore, load: bool) -> MapLoader | None:
     copies it, can make it so. None: no loader (the map may be locked still).
     """
     locked = store.lock_map()
-    if not (load and _room_for(store)) or not (locked or store.own_map()):
+    if not load or not _room_for(store):
+        return None  # a locked map's pages are locked as records are read
+    if not locked and not store.own_map():
         return None
     span = store.held_range
     assert span is not None
