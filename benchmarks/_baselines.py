@@ -44,6 +44,19 @@ def evict(paths: Iterable[Path]) -> None:
             os.close(fd)
 
 
+def evict_all(path: Path, timeout_s: float = 10.0) -> None:
+    """``evict`` until the file is out of the page cache (1 % left at most) or ``timeout_s``.
+
+    A daemon stopped just before may leave its miss workers a moment, mapping pages that
+    eviction then skips.
+    """
+    deadline = time.monotonic() + timeout_s
+    evict([path])
+    while resident([path]) > 0.01 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        evict([path])
+
+
 def resident(paths: Iterable[Path]) -> float:
     """Share of the files' pages in the page cache (mincore)."""
     have = total = 0

@@ -30,7 +30,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from _baselines import BATCH, dataloader, held_in_cache
+from _baselines import BATCH, dataloader, evict_all, held_in_cache
 from _timing import header, machine, make_store, write_results  # the script's folder is on sys.path
 from bench_throughput import Context, context_args, ordinary_user, run_epoch
 
@@ -72,10 +72,13 @@ def one_daemon(
     sampler: str = "uniform",
     nvram_fraction: float = 0.0,
     under: Sequence[str] = (),
+    cold: bool = False,
 ) -> dict[str, float]:
     from loaderd.client import LoaderdDataset
 
     size = (db / "data.mdb").stat().st_size
+    if cold:
+        evict_all(db / "data.mdb")
     extra: list[str] = []
     nvram = None
     if nvram_fraction > 0:  # a fresh arena each daemon: none starts warm from the last one's
@@ -115,8 +118,11 @@ def bench_size(
     db = make_store(ctx.root, n, size)
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     loaders = []
-    with held_in_cache([db / "data.mdb"]):
-        loaders.append(round(dataloader(db, 0, args.epochs, cold=False)["warm"]))
+    state = "cold" if args.cold else "warm"
+    with ExitStack() as held:
+        if not args.cold:
+            held.enter_context(held_in_cache([db / "data.mdb"]))
+        loaders.append(round(dataloader(db, 0, args.epochs, cold=args.cold)[state]))
         for k in range(args.pairs):
             for side in SIDES if k % 2 == 0 else SIDES[::-1]:
                 put(sides[side], files)
@@ -129,11 +135,12 @@ def bench_size(
                         args.sampler,
                         args.nvram_fraction,
                         ordinary_user() if args.ordinary_user else (),
+                        args.cold,
                     )
                 )
                 print(json.dumps({"size": size, "side": side, **runs[side][-1]}), flush=True)
         put(sides["change"], files)
-        loaders.append(round(dataloader(db, 0, args.epochs, cold=False)["warm"]))
+        loaders.append(round(dataloader(db, 0, args.epochs, cold=args.cold)[state]))
     return {"sample_bytes": size, "samples": n, "dataloader_nw0": loaders, **runs}
 
 
@@ -142,7 +149,8 @@ def markdown(
 ) -> str:
     lines = [
         *header(f"A/B: {', '.join(args.files)} against {args.base}", info, command),
-        "Fresh daemons over one warm store, the two versions of the files in turn (ABBA). "
+        f"Fresh daemons over one {'cold' if args.cold else 'warm'} store, the two versions of "
+        "the files in turn (ABBA). "
         "Warm miss: a daemon's first epoch; hit: its best later epoch; samples/s, batch 64; "
         "epoch start: the median wait from `iter` to the first batch of the later epochs; "
         "RSS: the daemon's peak. Each cell: the median, then every run in order. "
@@ -166,6 +174,12 @@ def markdown(
         + (
             " Daemons run as an ordinary user may (8 MiB of pages locked at most)."
             if args.ordinary_user
+            else ""
+        )
+        + (
+            " Cold: the store evicted from the page cache before each daemon ('warm miss' is"
+            " its cold first epoch) and before the DataLoader's (its first epoch)."
+            if args.cold
             else ""
         ),
         "",
@@ -216,6 +230,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="--nvram-bytes as a fraction of data.mdb, in /dev/shm (0: no NVRAM tier)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the store before each daemon: its first epoch is a cold one",
     )
     p.add_argument(
         "--ordinary-user",

@@ -52,7 +52,7 @@ from _baselines import (
     BATCH,
     dataloader,
     disk_bound,
-    evict,
+    evict_all,
     held_in_cache,
     memcpy_bound,
     resident,
@@ -242,13 +242,7 @@ def one_trainer(
 
     held = ExitStack()
     if cold:
-        # A daemon stopped just before may leave its miss workers a moment, mapping pages
-        # that eviction then skips: evict again until the store is out.
-        deadline = time.monotonic() + 10
-        evict([db / "data.mdb"])
-        while resident([db / "data.mdb"]) > 0.01 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            evict([db / "data.mdb"])
+        evict_all(db / "data.mdb")
     else:
         held.enter_context(held_in_cache([db / "data.mdb"]))  # warm for the whole row
     left = resident([db / "data.mdb"])
