@@ -39,6 +39,19 @@ def evict(db: Path) -> None:
         os.close(fd)
 
 
+def mapped_kib(path: Path, *fields: str, pid: int | str = "self") -> tuple[int, ...]:
+    """KiB of ``path`` that process ``pid`` maps, per ``/proc/<pid>/smaps`` field of its
+    mappings (``"Rss"``, ``"Locked"``, ``"Anonymous"``: its own pages), summed."""
+    totals = dict.fromkeys(fields, 0)
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
+            inside = line.endswith(str(path.resolve()))
+        elif inside and (name := line.split(":", 1)[0]) in totals:
+            totals[name] += int(line.split()[1])
+    return tuple(totals[f] for f in fields)
+
+
 def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
     """Poll ``pred`` until it holds; fail the test after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

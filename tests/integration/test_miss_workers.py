@@ -22,7 +22,7 @@ from loaderd.launch import as_ordinary_user
 from loaderd.miss_workers import PIPELINE
 from loaderd.storage.records import Field, RecordCodec, Schema
 from loaderd.storage.store_writer import StoreWriter
-from tests.helpers import Daemon, wait_until
+from tests.helpers import Daemon, mapped_kib, wait_until
 from tests.integration.test_datapath import IMAGE, N, admitted, check_epoch, stats, store
 
 pytestmark = pytest.mark.integration
@@ -81,7 +81,7 @@ def test_records_workers_read_are_held_in_the_daemons_locked_map(
             pytest.skip("the daemon may not lock the store's map here (RLIMIT_MEMLOCK)")
         assert dram["items"] == N and stats(d.address)["miss_workers"]["batches"] > 0
         assert d.proc is not None
-        assert _mapped_kib(d.proc.pid, store[0] / "data.mdb") * 1024 >= N * IMAGE
+        assert mapped_kib(store[0] / "data.mdb", "Rss", pid=d.proc.pid)[0] << 10 >= N * IMAGE
         assert "map_load" not in dram
         ds.close()
 
@@ -102,7 +102,7 @@ def test_a_store_dram_can_hold_is_brought_in_whole_at_start(
         wait_until(loaded, what="the whole store mapped")
         assert d.proc is not None
         size = (store[0] / "data.mdb").stat().st_size
-        assert _mapped_kib(d.proc.pid, store[0] / "data.mdb") * 1024 >= size
+        assert mapped_kib(store[0] / "data.mdb", "Rss", pid=d.proc.pid)[0] << 10 >= size
         ds = with_workers(d, "whole", 8)
         for _ in range(2):  # and every epoch is still the store's bytes
             assert sorted(check_epoch(ds, store[1])) == list(range(N))
@@ -127,8 +127,8 @@ def test_a_daemon_that_may_not_lock_holds_a_store_dram_can_hold_as_its_own_copy(
         wait_until(lambda: _loaded(stats(d.address)["tiers"][0]["map_load"]), what="the copy")
         assert d.proc is not None
         size = (store[0] / "data.mdb").stat().st_size
-        own = _mapped_kib(d.proc.pid, store[0] / "data.mdb", "Anonymous:")
-        assert own == _mapped_kib(d.proc.pid, store[0] / "data.mdb") and own << 10 >= size
+        rss, own = mapped_kib(store[0] / "data.mdb", "Rss", "Anonymous", pid=d.proc.pid)
+        assert own == rss and own << 10 >= size
         ds = with_workers(d, "owned", 8)
         for _ in range(2):
             assert sorted(check_epoch(ds, store[1])) == list(range(N))
@@ -152,17 +152,6 @@ def with_workers(d: Daemon, job: str, batch_size: int, procs: int = 0) -> Loader
 
 def _loaded(load: dict[str, Any]) -> bool:
     return bool(load["loaded_bytes"] == load["total_bytes"])
-
-
-def _mapped_kib(pid: int, path: Path, field: str = "Rss:") -> int:
-    """KiB of ``path`` mapped in process ``pid`` (``Rss``, or ``field``, of its mappings)."""
-    total, inside = 0, False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
-            inside = line.endswith(str(path.resolve()))
-        elif inside and line.startswith(field):
-            total += int(line.split()[1])
-    return total
 
 
 def test_a_killed_miss_worker_is_replaced_and_no_sample_is_lost(
@@ -358,6 +347,8 @@ def test_large_records_of_fixed_fields_are_read_from_the_file_into_their_slots(
         workers = stats(d.address)["miss_workers"]
         assert workers["read"] > 0 and workers["fallbacks"] == 0 and workers["lost"] == 0
         assert workers["copied"] == (0 if whole else workers["read"])
-        mapped = sum(_mapped_kib(pid, db / "data.mdb") * 1024 for pid in workers["pids"])
+        mapped = sum(
+            mapped_kib(db / "data.mdb", "Rss", pid=pid)[0] << 10 for pid in workers["pids"]
+        )
         assert (mapped < N * image // 4) == whole
         ds.close()

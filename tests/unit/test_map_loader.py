@@ -20,24 +20,10 @@ from loaderd.storage.map_loader import MapLoader
 from loaderd.storage.store import SampleStore
 from loaderd.storage.syscalls import _read_into_fresh, move_over, private_copy
 from loaderd.storage.tiers import TierStack
-from tests.helpers import evict, wait_until
+from tests.helpers import evict, mapped_kib, wait_until
 from tests.unit.test_cache_dram import big_store
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _rss_and_locked_kib(path: Path) -> tuple[int, int]:
-    """KiB of ``path`` this process maps (``Rss``) and locks (``Locked``)."""
-    rss = locked = 0
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
-            inside = line.endswith(str(path.resolve()))
-        elif inside and line.startswith("Rss:"):
-            rss += int(line.split()[1])
-        elif inside and line.startswith("Locked:"):
-            locked += int(line.split()[1])
-    return rss, locked
 
 
 def _loaded(stack: TierStack) -> bool:
@@ -55,7 +41,7 @@ def test_a_store_dram_can_hold_is_mapped_and_locked_whole_from_the_disk(tmp_path
         wait_until(lambda: _loaded(stack), what="the whole store mapped")
         wait_until(lambda: not stack.loading, what="the loader's end")
         assert stack.in_ram_whole  # loaded: nothing left for a read-ahead
-        rss, locked = _rss_and_locked_kib(path / "data.mdb")
+        rss, locked = mapped_kib(path / "data.mdb", "Rss", "Locked")
         size = store.file_bytes
         assert rss * 1024 >= size and locked * 1024 >= size  # every page, held by the lock
         load = stack.stats()["tiers"][0]["map_load"]
@@ -73,7 +59,7 @@ def test_nothing_is_brought_in_where_dram_cannot_hold_the_store_or_it_is_off(
     with TierStack(store, dram, load_map=why != "off") as stack:
         assert "map_load" not in stack.stats()["tiers"][0]
         assert stack.get_many(np.arange(5)) == truth[:5]
-        rss, _ = _rss_and_locked_kib(path / "data.mdb")
+        rss, _ = mapped_kib(path / "data.mdb", "Rss", "Locked")
         assert rss * 1024 < store.file_bytes // 2  # what the reads mapped, not the whole file
 
 
@@ -189,20 +175,6 @@ def test_a_store_larger_than_the_memory_available_is_not_brought_in_at_start(
         assert stack.get_many(np.arange(20)) == truth
 
 
-def _own_kib(path: Path) -> tuple[int, int]:
-    """KiB of ``path`` this process maps (``Rss``), and of those its own (``Anonymous``)."""
-    rss = own = 0
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:  # a mapping's first line
-            inside = line.endswith(str(path.resolve()))
-        elif inside and line.startswith("Rss:"):
-            rss += int(line.split()[1])
-        elif inside and line.startswith("Anonymous:"):
-            own += int(line.split()[1])
-    return rss, own
-
-
 def test_a_file_maps_pages_are_replaced_by_a_copy_of_its_bytes(tmp_path: Path) -> None:
     page = mmap.PAGESIZE
     f = tmp_path / "f"
@@ -216,9 +188,10 @@ def test_a_file_maps_pages_are_replaced_by_a_copy_of_its_bytes(tmp_path: Path) -
     try:
         with pytest.raises(OSError, match="Bad file descriptor"):
             private_copy(length, -1, 0)
-        assert bytes(view) == data and _own_kib(f)[1] == 0  # the map as it was
+        assert bytes(view) == data and mapped_kib(f, "Anonymous") == (0,)  # the map as it was
         move_over(private_copy(length, fd, 0), length, base)
-        assert _own_kib(f) == (4 * page >> 10,) * 2  # every page the process's own now
+        own = mapped_kib(f, "Rss", "Anonymous")
+        assert own == (4 * page >> 10,) * 2  # every page the process's own now
         assert bytes(view) == data  # at the same addresses, the same bytes
         past = (ctypes.c_char * (length - len(data))).from_address(base + len(data))
         assert bytes(past) == b"\0" * (length - len(data))  # past the end, as in the map
@@ -264,7 +237,7 @@ def test_a_store_owned_whole_reads_its_bytes_while_the_copy_is_under_way(tmp_pat
         reader.join()
         assert loader.done and loader.error is None and store.map_resident
         assert bad == []
-        rss, own = _own_kib(path / "data.mdb")
+        rss, own = mapped_kib(path / "data.mdb", "Rss", "Anonymous")
         assert own == rss and own << 10 >= store.file_bytes  # all of it the process's own
         assert store.get_many(range(60)) == truth
     finally:
@@ -292,10 +265,10 @@ def test_a_copy_closed_part_way_moves_nothing_more_and_counts_what_it_moved(
         )
         wait_until(lambda: loader.loaded_bytes > 0, what="a first chunk")
         loader.close()
-        moved = _own_kib(path / "data.mdb")[1] << 10
+        moved = mapped_kib(path / "data.mdb", "Anonymous")[0] << 10
         assert 0 < moved == loader.loaded_bytes < loader.length and not store.map_resident
         time.sleep(0.05)
-        assert _own_kib(path / "data.mdb")[1] << 10 == moved  # nothing more after ``close``
+        assert mapped_kib(path / "data.mdb", "Anonymous")[0] << 10 == moved  # none after ``close``
         assert loader.error is None
         assert store.get_many(range(200)) == truth  # copied or not, the store's bytes
     finally:
