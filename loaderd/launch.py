@@ -89,8 +89,9 @@ def as_ordinary_user(memlock_bytes: int = MEMLOCK_DEFAULT) -> list[str] | None:
     """
     status = Path("/proc/self/status").read_text()
     caps = int(next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16)
-    under = ["prlimit", f"--memlock={memlock_bytes}:{memlock_bytes}"]
+    tools = {"prlimit": [f"--memlock={memlock_bytes}:{memlock_bytes}"]}
     if caps >> _CAP_IPC_LOCK & 1:
-        under += ["setpriv", "--bounding-set=-ipc_lock"]
-    tools = [under[0], *under[2:3]]
-    return under if all(map(shutil.which, tools)) else None
+        tools["setpriv"] = ["--bounding-set=-ipc_lock"]
+    if not all(map(shutil.which, tools)):
+        return None
+    return [word for tool, args in tools.items() for word in (tool, *args)]

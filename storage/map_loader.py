@@ -177,9 +177,8 @@ class MapLoader:
         """
         # The chunk and the next asked of the disk at once: the copy's faults would read
         # around each page alone. A cold 2 GB store copied at 1.5-1.6 GB/s in 6 runs of 10
-        # (0.44-0.82 in the others), against 0.43-0.65 asking nothing, 1.4 for the locked
-        # map's loader; fresh daemons' cold first epochs as fast as copying record by record
-        # at 100 KB (17k samples/s), faster at 3 KB (80-92k against 62-65k).
+        # (0.44-0.82 in the others), against 0.43-0.65 asking nothing (the locked map's
+        # loader: 1.4).
         os.posix_fadvise(fd, offset, 2 * length, os.POSIX_FADV_WILLNEED)
         try:
             fresh = private_copy(length, fd, offset)
