@@ -85,7 +85,8 @@ def as_ordinary_user(memlock_bytes: int = MEMLOCK_DEFAULT) -> list[str] | None:
     The limit set to ``memlock_bytes`` (``prlimit``; an ordinary user's is usually 8 MiB),
     and for a process that may lock any amount (``CAP_IPC_LOCK``, root's) that capability
     dropped (``setpriv``): what a daemon run without privileges does, for tests and
-    benchmarks run as root. None where those tools are missing.
+    benchmarks run as root. None where those tools are missing or refuse (``setpriv`` needs
+    ``CAP_SETPCAP``, which a container may not grant).
     """
     status = Path("/proc/self/status").read_text()
     caps = int(next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16)
@@ -94,4 +95,6 @@ def as_ordinary_user(memlock_bytes: int = MEMLOCK_DEFAULT) -> list[str] | None:
         tools["setpriv"] = ["--bounding-set=-ipc_lock"]
     if not all(map(shutil.which, tools)):
         return None
-    return [word for tool, args in tools.items() for word in (tool, *args)]
+    under = [word for tool, args in tools.items() for word in (tool, *args)]
+    tried = subprocess.run([*under, "true"], capture_output=True, check=False)
+    return under if tried.returncode == 0 else None
