@@ -343,7 +343,7 @@ def ordinary_user() -> list[str]:
 
     under = as_ordinary_user()
     if under is None:
-        sys.exit("a daemon run as an ordinary user needs prlimit and setpriv (util-linux)")
+        sys.exit("a daemon run as an ordinary user needs prlimit and setpriv (util-linux) to work")
     return under
 
 
