@@ -51,15 +51,16 @@ from loaderd.miss_messages import arena_spans, decode_reply, encode_task
 from loaderd.miss_worker import fork_workers, reads_rows
 from loaderd.prefetch import Allocate, Batch, BatchWriter
 from loaderd.shm_delivery import BlankSlot, RingAllocator
+from loaderd.storage.memory import memory_total
 from loaderd.storage.tiers import ArenaLoan, TierStack
 
 logger = logging.getLogger(__name__)
 
 _MAX_FAILED_STARTS = 3
 # Workers copy records from maps of the file (``SampleStore.read_rows``) only of a file this
-# share of the machine's memory can hold, and no larger than this: a page the page cache
-# lets go is mapped again at the next read, and a worker's page tables for a map it has
-# read whole take 2 MiB a GiB.
+# share of the daemon's memory (the machine's, or its cgroup's limit) can hold, and no larger
+# than this: a page the page cache lets go is mapped again at the next read, and a worker's
+# page tables for a map it has read whole take 2 MiB a GiB.
 MAP_COPY_SHARE = 0.5
 MAP_COPY_MAX_BYTES = 64 << 30
 # Batches a worker holds at once: one it assembles, the rest waiting in its socket, so that
@@ -189,9 +190,8 @@ class MissWorkers:
         self._starting = 0
         self._failed_starts = 0
         self._closed = False
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         size = tiers.store.file_bytes
-        self._map_fits = size <= min(memory * MAP_COPY_SHARE, MAP_COPY_MAX_BYTES)
+        self._map_fits = size <= min(memory_total() * MAP_COPY_SHARE, MAP_COPY_MAX_BYTES)
         self.batches = 0  # assembled by a worker
         self.sliced = 0  # of them, sent with their records' offsets (no LMDB lookup there)
         self.read = 0  # of those, read from the file into their slot (``row_reads.py``)

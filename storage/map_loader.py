@@ -16,8 +16,9 @@ the map, and the first epoch's records come from RAM as soon as the loader has p
 The thread lets go of the GIL for each chunk (``madvise`` waits for the disk) and stops at
 ``close``.
 
-It runs only where the file fits in the memory the kernel says is available: a DRAM budget
-larger than the machine must not lock the machine's memory at start.
+It runs only where the file fits in the memory available to the daemon (the machine's, or
+its memory cgroup's where less: ``memory.memory_available``): a DRAM budget larger than the
+machine or the container must not take all of its memory at start.
 
 A daemon that may not lock pages (an ordinary user's ``RLIMIT_MEMLOCK``) holds the map
 another way (``SampleStore.own_map``): the loader copies each chunk of the file into memory
@@ -51,7 +52,7 @@ MADV_SEQUENTIAL: Final = 2
 MADV_POPULATE_READ: Final = 22  # Linux 5.14
 CHUNK_BYTES: Final = 64 << 20  # one madvise: 16-45 ms of a cold disk here, so close is prompt
 _STOPPED: Final = -1  # ``_copy``: ``close`` came first, the chunk was not moved
-MEMORY_SHARE: Final = 0.9  # of MemAvailable (``store.memory_available``) the file may take
+MEMORY_SHARE: Final = 0.9  # of ``memory.memory_available()`` the file may take
 
 
 def _background() -> None:

@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from loaderd.storage.errors import CorruptRecordError, NotAStoreError
 from loaderd.storage.map_slices import MapSlices, map_view
+from loaderd.storage.memory import memory_available
 from loaderd.storage.pinning import PageLocks, still_locked
 from loaderd.storage.prefault import Prefault
 from loaderd.storage.records import STORED_VERSION, Schema, verify_all
@@ -869,15 +870,3 @@ class SampleStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def memory_available() -> int:
-    """Bytes of memory available for new data now (MemAvailable: free plus reclaimable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

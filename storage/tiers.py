@@ -35,8 +35,9 @@ from loaderd.storage.arena import Arena, record_extent
 from loaderd.storage.dram import DramCache, Held, own_copies
 from loaderd.storage.errors import CorruptRecordError, StorageError
 from loaderd.storage.map_loader import MEMORY_SHARE, MapLoader
+from loaderd.storage.memory import memory_available
 from loaderd.storage.policies import ARENA, DRAM, Admitted, Move, Policy, make_policy
-from loaderd.storage.store import PIN_MIN_BYTES, SampleStore, memory_available
+from loaderd.storage.store import PIN_MIN_BYTES, SampleStore
 from loaderd.storage.syscalls import address_of
 
 logger = logging.getLogger(__name__)

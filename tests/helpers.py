@@ -21,6 +21,7 @@ import numpy as np
 from loaderd.client.connection import Connection
 from loaderd.client.protocol import MsgType
 from loaderd.launch import start_daemon, stop_daemon, wait_ready
+from loaderd.storage.memory import memory_cgroup
 
 
 def free_port() -> int:
@@ -164,6 +165,38 @@ class Daemon:
         if self.log.exists():
             print(self.log.read_text()[-4000:])  # shown when the test fails
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+@contextmanager
+def memory_limited(limit_bytes: int) -> Iterator[list[str] | None]:
+    """A memory cgroup of ``limit_bytes`` below this process's own: ``under`` for a daemon.
+
+    A container's limit, for real: the kernel kills a process of the group once the group
+    goes past it. The command joins the group, then execs the daemon. None where no group
+    can be made here (not root, or no memory controller to write to). The group is removed
+    once empty, after the block.
+    """
+    own = memory_cgroup()
+    if own is None:
+        yield None
+        return
+    folder = own[1] / f"loaderd-test-{os.getpid()}"
+    try:
+        folder.mkdir()
+        limit = "memory.limit_in_bytes" if own[0] == 1 else "memory.max"
+        (folder / limit).write_text(str(limit_bytes))
+    except OSError:
+        if folder.is_dir():
+            folder.rmdir()
+        yield None
+        return
+    try:
+        yield ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(folder / "cgroup.procs")]
+    finally:
+        wait_until(
+            lambda: not (folder / "cgroup.procs").read_text().strip(), what="the group empty"
+        )
+        folder.rmdir()
 
 
 def daemon_shm(address: str) -> dict[str, Any]:
