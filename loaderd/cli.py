@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dram-bytes",
         type=_size,
         default=CacheConfig().dram_bytes,
-        help="DRAM cache size, e.g. 2GiB",
+        help="DRAM cache size, e.g. 2GiB; lowered, with a warning, to what the memory "
+        "available at start holds (the machine's, or a memory cgroup's where less)",
     )
     s.add_argument(
         "--dram-admit-queue",

@@ -134,7 +134,8 @@ class Server:
             remove_stale_socket(self.ipc_path)  # its owner's lock is gone
         self.store = SampleStore(config.db)
         self._store_id = self.store.fingerprint.hex()  # jobs are bound to the store they use
-        self.tiers = build_tiers(config.cache, self.store)
+        rings = config.shm.max_bytes if config.shm.enabled else 0
+        self.tiers = build_tiers(config.cache, self.store, rings)
         self.placement = Placement(self.tiers, node_local=config.cluster.enabled)
         self.snapshots = Snapshots(self.tiers.arena, self.state_dir / "snapshots")
         self.schema = [FieldSpec.from_json(f.to_json()) for f in self.store.schema.fields]
