@@ -27,7 +27,6 @@ import xxhash
 
 from loaderd.config import CacheConfig
 from loaderd.storage.arena import Arena
-from loaderd.storage.memory import cgroup_limits, memory_available
 from loaderd.storage.store import SampleStore
 from loaderd.storage.tiers import TierStack
 
@@ -39,15 +38,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ARENA_FILE = "loaderd.arena"
-# Of the memory the daemon may fill at start, the share DRAM leaves to the daemon's own heap,
-# its miss workers' and its page tables (the shared-memory rings are counted apart).
-HEADROOM_SHARE = 0.1
 
 
-def build_tiers(config: CacheConfig, store: SampleStore, rings_bytes: int = 0) -> TierStack:
-    """The tier stack for ``config``: DRAM (``dram_budget``), then the arena (``nvram_dir``).
-
-    ``rings_bytes``: the most the daemon's shared-memory rings may take (0: none).
+def build_tiers(config: CacheConfig, store: SampleStore) -> TierStack:
+    """The tier stack for ``config``: DRAM, then the arena when ``nvram_dir`` is set.
 
     The arena file is ``nvram_dir/loaderd.arena``. Its header carries the store's
     fingerprint: the same store finds its surviving records (a warm restart), another store,
@@ -66,12 +60,10 @@ def build_tiers(config: CacheConfig, store: SampleStore, rings_bytes: int = 0) -
             store.fingerprint,
             snapshot_bytes=config.snapshot_region_bytes,
         )
-    # An arena in memory (tmpfs: /dev/shm) takes the daemon's memory too.
-    in_memory = config.nvram_bytes if arena is not None and arena.durability == "volatile" else 0
     try:
         return TierStack(
             store,
-            dram_budget(config.dram_bytes, rings_bytes + in_memory),
+            config.dram_bytes,
             arena,
             policy=config.policy,
             admit_queue_bytes=config.admit_queue_bytes,
@@ -82,32 +74,6 @@ def build_tiers(config: CacheConfig, store: SampleStore, rings_bytes: int = 0) -
         if arena is not None:
             arena.close()
         raise
-
-
-def dram_budget(asked: int, beside: int = 0) -> int:
-    """``asked`` (``--dram-bytes``), or less where the daemon's memory cannot hold it.
-
-    The memory the daemon may fill at start (``memory_available``: the machine's, or its
-    memory cgroup's where less) is to hold DRAM, ``beside`` (the shared-memory rings'
-    bound, and an arena's in memory) and ``HEADROOM_SHARE`` for the daemon's own. A DRAM
-    tier that filled past it would get the daemon killed mid-run, in a container by its
-    group's limit.
-    """
-    room = memory_available()
-    most = max(0, int(room * (1 - HEADROOM_SHARE)) - beside)
-    if asked <= most:
-        return asked
-    bound = next((c for c in cgroup_limits() if c.room == room), None)
-    logger.warning(
-        "--dram-bytes %d MiB does not fit the %d MiB of memory %s may fill beside its "
-        "shared-memory rings and an arena in memory (up to %d MiB): DRAM holds at most %d MiB",
-        asked >> 20,
-        room >> 20,
-        f"this daemon's memory cgroup ({bound.path})" if bound else "this daemon",
-        beside >> 20,
-        most >> 20,
-    )
-    return most
 
 
 def ranking(

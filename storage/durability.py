@@ -15,6 +15,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Final
@@ -39,9 +40,9 @@ VOLATILE_FS_TYPES: Final = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"}
 _MOUNTINFO = Path("/proc/self/mountinfo")
 
 
-def _unescape_mount_path(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal (\040 ...).
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+def unescape_mount_field(field: str) -> str:
+    """A path field of mountinfo, its octal escapes undone (space, tab, newline, backslash)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
 def filesystem_type(path: Path) -> str | None:
@@ -78,7 +79,7 @@ def filesystem_type(path: Path) -> str | None:
         fstype = rfields[0]
         if fields[2] == dev:
             by_dev = fstype  # later lines are mounted on top of earlier ones: keep the last
-        mount_point = _unescape_mount_path(fields[4])
+        mount_point = unescape_mount_field(fields[4])
         inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
         if inside and len(mount_point) >= best_prefix:
             best_prefix, best_type = len(mount_point), fstype

@@ -16,10 +16,11 @@ kills: the file pages on its reclaim lists are taken off the use, as MemAvailabl
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from loaderd.storage.durability import unescape_mount_field
 
 PROC_CGROUP = Path("/proc/self/cgroup")
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -42,7 +43,14 @@ class CgroupLimit:
 
 def memory_available() -> int:
     """Bytes this process may still fill now: MemAvailable, or a cgroup's room where less."""
-    return min([_meminfo("MemAvailable:"), *(c.room for c in cgroup_limits())])
+    return memory_room()[0]
+
+
+def memory_room() -> tuple[int, CgroupLimit | None]:
+    """``memory_available``, and the cgroup that bounds it (None: the machine's memory)."""
+    machine = _meminfo("MemAvailable:")
+    tightest = min(cgroup_limits(), key=lambda c: c.room, default=None)
+    return (tightest.room, tightest) if tightest and tightest.room < machine else (machine, None)
 
 
 def memory_total() -> int:
@@ -114,7 +122,7 @@ def _group_dir(groups: list[str], mounts: list[str], version: int) -> tuple[Path
         if (version == 2 and fstype == "cgroup2") or (
             version == 1 and fstype == "cgroup" and "memory" in options
         ):
-            root, mount = _unescape(parts[3]), Path(_unescape(parts[4]))
+            root, mount = unescape_mount_field(parts[3]), Path(unescape_mount_field(parts[4]))
             # A container's hierarchy is mounted from its own group: the path is relative to it.
             inside = path == root or path.startswith(root.rstrip("/") + "/")
             return mount / (os.path.relpath(path, root) if inside else "."), mount
@@ -126,11 +134,6 @@ def _is(version: int, hierarchy: str, controllers: str) -> bool:
     if version == 2:
         return hierarchy == "0" and controllers == ""
     return "memory" in controllers.split(",")
-
-
-def _unescape(field: str) -> str:
-    """A mountinfo field, its octal escapes (a space is written 040 after a backslash) undone."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
 def _up(folder: Path, mount: Path) -> Iterator[Path]:
