@@ -256,8 +256,8 @@ def build(server: Tunable) -> DaemonTuner:
         "workers": (server.prefetcher.set_workers, lambda: server.prefetcher.workers),
     }
     bindings = [Binding(knob, *appliers[name]) for name, knob in by_name.items()]
-    budget = config.autotune.memory_budget_bytes or (
-        config.cache.dram_bytes + config.prefetch.readahead_bytes
+    budget = config.autotune.memory_budget_bytes or (  # DRAM as the memory split left it
+        server.tiers.dram.capacity_bytes + config.prefetch.readahead_bytes
     )
 
     def memory() -> int:

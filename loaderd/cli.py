@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=CacheConfig().dram_bytes,
         help="DRAM cache size, e.g. 2GiB; lowered, with a warning, to what the memory "
-        "available at start holds (the machine's, or a memory cgroup's where less)",
+        "available at start holds beside the rings (the machine's, or a memory cgroup's "
+        "where less)",
     )
     s.add_argument(
         "--dram-admit-queue",
@@ -146,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--shm-bytes",
         type=_size,
         default=ShmConfig().max_bytes,
-        help="the most of /dev/shm all rings together take, e.g. 256MiB (default 1GiB); "
-        "a job whose ring would not fit is served over the socket",
+        help="the most of /dev/shm all rings together take, e.g. 256MiB (default 1GiB, or a "
+        "quarter of the memory available at start where less); a job whose ring would not "
+        "fit is served over the socket",
     )
     s.add_argument(
         "--no-shm", action="store_true", help="send every batch over the socket, never via /dev/shm"

@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -51,6 +51,7 @@ from loaderd.jobs import Job, JobError, JobSpec, NotReady, Resume, reset_hint
 from loaderd.journal import JournalWriteError
 from loaderd.limits import check_hello, check_request_size, check_rewind
 from loaderd.loop_clock import LoopClock
+from loaderd.memory_split import split_memory
 from loaderd.miss_workers import Forker, MissWorkers
 from loaderd.outbox import After, Outbox
 from loaderd.outstanding import Outstanding, still_out_in
@@ -134,14 +135,15 @@ class Server:
             remove_stale_socket(self.ipc_path)  # its owner's lock is gone
         self.store = SampleStore(config.db)
         self._store_id = self.store.fingerprint.hex()  # jobs are bound to the store they use
-        rings = config.shm.max_bytes if config.shm.enabled else 0
-        self.tiers = build_tiers(config.cache, self.store, rings)
+        split = split_memory(config)
+        self.tiers = build_tiers(replace(config.cache, dram_bytes=split.dram_bytes), self.store)
         self.placement = Placement(self.tiers, node_local=config.cluster.enabled)
         self.snapshots = Snapshots(self.tiers.arena, self.state_dir / "snapshots")
         self.schema = [FieldSpec.from_json(f.to_json()) for f in self.store.schema.fields]
         self.consumers = Consumers(config.consumer_timeout_s)
         assembler = Assembler(self.tiers, self.store.schema)
-        self.shm = ShmDelivery(config.shm, slot_estimate(assembler), self.consumers)
+        shm = replace(config.shm, max_bytes=max(1, split.rings_bytes))
+        self.shm = ShmDelivery(shm, slot_estimate(assembler), self.consumers)
         self.misses = MissWorkers(
             self.tiers, assembler, config.prefetch.miss_procs, forker, self.shm.ring_names
         )
