@@ -90,6 +90,20 @@ def _room_for(store: SampleStore) -> bool:
     return False
 
 
+def _held_once(store: SampleStore) -> None:
+    """Hold every record as a view of the held map where copies would not fit beside it."""
+    copies = store.bytes_copied_when_held()
+    if not copies or store.file_bytes + copies <= memory_available() * MEMORY_SHARE:
+        return
+    store.views_only()
+    logger.info(
+        "store %s: its records under a page are held as views of its map, not copied: the "
+        "memory available holds the store once, not with %d MiB of copies beside it",
+        store.path,
+        copies >> 20,
+    )
+
+
 def _hold_whole(store: SampleStore, load: bool) -> MapLoader | None:
     """Hold the store's map in RAM for a DRAM tier that can hold all of it; its loader.
 
@@ -98,10 +112,12 @@ def _hold_whole(store: SampleStore, load: bool) -> MapLoader | None:
     copies it, can make it so. None: no loader (the map may be locked still).
     """
     locked = store.lock_map()
-    if not load or not _room_for(store):
-        return None  # a locked map's pages are locked as records are read
-    if not locked and not store.own_map():
+    room = load and _room_for(store)
+    if not locked and not (room and store.own_map()):
         return None
+    _held_once(store)
+    if not room:
+        return None  # a locked map's pages are locked as records are read
     span = store.held_range
     assert span is not None
     lo, hi = span

@@ -331,6 +331,37 @@ def test_a_locked_map_holds_records_with_pages_of_their_own_as_views(
         assert stack.get_many(np.array([15, 2, 3])) == [truth[15], truth[2], truth[3]]
 
 
+@pytest.mark.parametrize("twice", [True, False])
+def test_where_memory_holds_the_store_once_not_twice_small_records_are_views_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, twice: bool
+) -> None:
+    """A map held whole (locked, or owned where the process may not lock) keeps records of
+    variable fields under a page as copies only where the memory available holds those
+    copies beside the whole store; else every record is a view of the map, held once."""
+    path = tmp_path / "small"
+    with StoreWriter(path, SCHEMA) as w:
+        w.append([CODEC.encode({"x": [i, i, i], "s": bytes([i]) * 1000}) for i in range(64)])
+    with SampleStore(path) as s:
+        copies = s.bytes_copied_when_held()
+        assert copies == s.total_bytes  # every record under a page
+        once = s.file_bytes + (copies if twice else copies // 2)
+    monkeypatch.setattr("loaderd.storage.tiers.memory_available", lambda: int(once / 0.9) + 1)
+    with SampleStore(path) as s, TierStack(s, 1 << 22) as stack:
+        truth = s.get_many(range(64))
+        assert s.map_locked or s.map_owned
+        wait_until(lambda: s.map_resident, what="the whole store mapped")
+        index = s.value_index
+        assert index is not None
+        ids = np.arange(64)
+        stack.read_elsewhere(ids, index.offsets, index.lengths.astype(np.int64))
+        dram = stack.dram
+        assert sorted(dram._items) == list(range(64))
+        assert [bytes(dram.peek(i) or b"") for i in range(64)] == truth
+        assert [dram.holds_view(i) for i in range(64)] == [not twice] * 64
+        assert s.bytes_copied_when_held() == (copies if twice else 0)
+        assert stack.get_many(np.array([5, 63, 0])) == [truth[5], truth[63], truth[0]]
+
+
 def _locking(views: object) -> list[object]:
     """A ``pin`` that holds every view (the store's map stays mapped in these tests)."""
     return [lambda: None for _ in views]  # type: ignore[attr-defined]
