@@ -604,6 +604,8 @@ class SampleStore:
         if index is None or len(ids) < 2 or self._map_resident:
             return
         want = np.asarray(ids, np.int64)
+        if want.min() < 0 or want.max() >= self.num_samples:
+            return  # the read that follows says which id is not in the store
         advised = self._advised
         fresh = want[~advised[want]]
         advised[want] = False  # a later read (the next pass) is advised afresh
@@ -768,10 +770,14 @@ class SampleStore:
         self._views_only = True
 
     def bytes_copied_when_held(self) -> int:
-        """Bytes of the records a held map leaves to be copied (at most the records' total)."""
+        """Bytes of the records a held map leaves to be copied (at most the records' total).
+
+        Counted from the value index's lengths where it is built already (building it walks
+        the whole tree, which is not for the daemon's start), else all the records' bytes.
+        """
         if self.gathers_by_address or self._views_only:
             return 0
-        index = self.value_index
+        index = self.__dict__.get("value_index")
         if index is None:
             return self.total_bytes
         lengths = index.lengths

@@ -519,11 +519,19 @@ def test_tier_stack_with_zero_capacity_reads_through(store_path: Path) -> None:
         stack.close()
 
 
-def test_tier_stack_missing_id_is_a_key_error_and_admits_nothing(store_path: Path) -> None:
-    stack = TierStack(SampleStore(store_path), DramCache(1 << 20))
+@pytest.mark.parametrize("indexed", [False, True])
+def test_tier_stack_missing_id_is_a_key_error_and_admits_nothing(
+    store_path: Path, indexed: bool
+) -> None:
+    store = SampleStore(store_path)
+    if indexed:  # as after a read-ahead: the read's ranges are asked for first
+        assert store.value_index is not None
+    stack = TierStack(store, DramCache(1 << 20))
     try:
         with pytest.raises(KeyError):
             stack.get_many([1, 100])
+        with pytest.raises(KeyError):
+            stack.get_many([-1, 2])
         assert len(stack.dram) == 0
     finally:
         stack.close()
