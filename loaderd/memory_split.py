@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loaderd.config import DaemonConfig
 from loaderd.storage.durability import VOLATILE_FS_TYPES, filesystem_type
@@ -29,18 +30,34 @@ RINGS_SHARE = 0.25
 
 @dataclass(frozen=True)
 class MemorySplit:
-    """The bytes DRAM and all the shared-memory rings together may take."""
+    """The bytes DRAM and all the shared-memory rings together may take, and from what."""
 
     dram_bytes: int
     rings_bytes: int
+    room_bytes: int = 0  # the memory the daemon could fill at start
+    bound: str | None = None  # the memory cgroup that set it (None: the machine)
+    dram_asked: int = 0
+    rings_asked: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        """The ``memory`` section of ``loaderd stats``."""
+        return {
+            "room_bytes": self.room_bytes,
+            "cgroup": self.bound,
+            "dram_bytes": self.dram_bytes,
+            "dram_asked_bytes": self.dram_asked,
+            "rings_bytes": self.rings_bytes,
+            "rings_asked_bytes": self.rings_asked,
+        }
 
 
 def split_memory(config: DaemonConfig, room: int | None = None) -> MemorySplit:
     """DRAM's and the rings' bytes for ``config``, within ``room`` (None: available now)."""
-    bound = None
+    group = None
     if room is None:
-        room, bound = memory_room()
-    where = f"this daemon's memory cgroup ({bound.path})" if bound else "this daemon"
+        room, group = memory_room()
+    bound = str(group.path) if group else None
+    where = f"this daemon's memory cgroup ({bound})" if bound else "this daemon"
     cache, shm = config.cache, config.shm
     arena = cache.nvram_bytes if cache.nvram_dir is not None and _in_memory(cache.nvram_dir) else 0
     rings = min(shm.max_bytes, int(room * RINGS_SHARE)) if shm.enabled else 0
@@ -52,7 +69,8 @@ def split_memory(config: DaemonConfig, room: int | None = None) -> MemorySplit:
             f" and {arena >> 20} MiB of arena in memory" if arena else ""
         )
         _lowered("--dram-bytes", cache.dram_bytes, dram, where, room, beside)
-    return MemorySplit(dram, rings)
+    asked_rings = shm.max_bytes if shm.enabled else 0
+    return MemorySplit(dram, rings, room, bound, cache.dram_bytes, asked_rings)
 
 
 def _in_memory(folder: Path) -> bool:

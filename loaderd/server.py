@@ -135,7 +135,7 @@ class Server:
             remove_stale_socket(self.ipc_path)  # its owner's lock is gone
         self.store = SampleStore(config.db)
         self._store_id = self.store.fingerprint.hex()  # jobs are bound to the store they use
-        split = split_memory(config)
+        self.memory = split = split_memory(config)
         self.tiers = build_tiers(replace(config.cache, dram_bytes=split.dram_bytes), self.store)
         self.placement = Placement(self.tiers, node_local=config.cluster.enabled)
         self.snapshots = Snapshots(self.tiers.arena, self.state_dir / "snapshots")
@@ -850,6 +850,7 @@ class Server:
             },
             uptime_s=time.monotonic() - self.started,
         )
+        out["memory"] = self.memory.stats()
         out["shm"] = self.shm.stats()
         out["miss_workers"] = self.misses.stats()
         out["readahead"] = self.readahead.stats()

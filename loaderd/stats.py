@@ -58,6 +58,21 @@ def _map_load(load: dict[str, Any], owned: bool) -> str:
     return f"{done}{how} in {load['seconds']:.1f} s"
 
 
+def _memory_rows(memory: dict[str, Any] | None) -> list[str]:
+    """What the daemon could fill at start, and what it lowered to fit (``memory_split``)."""
+    if not memory:
+        return []
+    where = f"its memory cgroup {memory['cgroup']}" if memory.get("cgroup") else "the machine"
+    rows = [("at start", f"{human_bytes(memory['room_bytes'])} available ({where})")]
+    for name, key, option in (("DRAM", "dram", "--dram-bytes"), ("rings", "rings", "--shm-bytes")):
+        given, asked = memory[f"{key}_bytes"], memory[f"{key}_asked_bytes"]
+        if given < asked:
+            rows.append(
+                (name, f"{human_bytes(given)}, lowered to fit ({option} {human_bytes(asked)})")
+            )
+    return _rows("memory", rows)
+
+
 def format_table(stats: dict[str, Any]) -> str:
     """A readable multi-section table of a STATS reply."""
     ds, cache, backing = stats["dataset"], stats["cache"], stats["backing"]
@@ -120,6 +135,7 @@ def format_table(stats: dict[str, Any]) -> str:
             ("damaged reads", f"{backing.get('corrupt', 0):,}"),
         ],
     )
+    out += _memory_rows(stats.get("memory"))
     out += _read_path_rows(stats.get("readahead"), stats.get("miss_workers"))
     out += _loop_rows(stats.get("loop"))
     shm = stats.get("shm")

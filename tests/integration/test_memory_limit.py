@@ -53,6 +53,9 @@ def test_a_daemon_in_a_memory_cgroup_smaller_than_its_store_stays_up(
             assert not dram["map_owned"] and not dram["map_locked"]
             # Less than asked, with a warning: DRAM, the rings and the daemon fit the group.
             assert dram["capacity_bytes"] + daemon_shm(d.address)["max_bytes"] < LIMIT
+            memory = stats(d.address)["memory"]
+            assert memory["cgroup"] is not None and memory["room_bytes"] < LIMIT
+            assert memory["dram_bytes"] == dram["capacity_bytes"] < memory["dram_asked_bytes"]
             ds = LoaderdDataset(d.address, job="cg", batch_size=64)
             for _ in range(2):
                 seen = 0

@@ -282,3 +282,25 @@ def test_format_table_says_how_much_of_the_store_dram_brought_in_at_start() -> N
     assert " ".join(row.split()) == (
         "store in RAM 2.0 GiB of 2.0 GiB, copied (pages may not be locked) in 0.6 s"
     )
+
+
+def test_format_table_says_what_memory_the_daemon_had_and_what_it_lowered() -> None:
+    s = realistic_stats()
+    assert "lowered" not in format_table(s)
+    gib = 1 << 30
+    s["memory"] = {
+        "room_bytes": 20 * gib,
+        "cgroup": None,
+        "dram_bytes": 2 * gib,
+        "dram_asked_bytes": 2 * gib,
+        "rings_bytes": gib,
+        "rings_asked_bytes": gib,
+    }
+    table = format_table(s)
+    assert "20.0 GiB available (the machine)" in table and "lowered" not in table
+    s["memory"].update(room_bytes=gib, cgroup="/sys/fs/cgroup/job", dram_bytes=600 << 20)
+    s["memory"].update(rings_bytes=256 << 20, dram_asked_bytes=3 * gib)
+    rows = [" ".join(r.split()) for r in format_table(s).splitlines()]
+    assert "at start 1.0 GiB available (its memory cgroup /sys/fs/cgroup/job)" in rows
+    assert "DRAM 600.0 MiB, lowered to fit (--dram-bytes 3.0 GiB)" in rows
+    assert "rings 256.0 MiB, lowered to fit (--shm-bytes 1.0 GiB)" in rows
