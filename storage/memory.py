@@ -110,7 +110,10 @@ def memory_cgroup(
 def _group_dir(groups: list[str], mounts: list[str], version: int) -> tuple[Path, Path] | None:
     """(this process's group folder, the hierarchy's mount point) of a memory cgroup version."""
     lines = (g.split(":", 2) for g in groups)
-    path = next((p for h, c, p in (ln for ln in lines if len(ln) == 3) if _is(version, h, c)), None)
+    path = next(
+        (p for h, c, p in (ln for ln in lines if len(ln) == 3) if _names_memory(version, h, c)),
+        None,
+    )
     if path is None:
         return None
     for line in mounts:
@@ -129,7 +132,7 @@ def _group_dir(groups: list[str], mounts: list[str], version: int) -> tuple[Path
     return None
 
 
-def _is(version: int, hierarchy: str, controllers: str) -> bool:
+def _names_memory(version: int, hierarchy: str, controllers: str) -> bool:
     """Whether a line of /proc/self/cgroup names this process's group of memory's hierarchy."""
     if version == 2:
         return hierarchy == "0" and controllers == ""
