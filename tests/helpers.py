@@ -181,17 +181,24 @@ def memory_limited(limit_bytes: int) -> Iterator[list[str] | None]:
         yield None
         return
     folder = own[1] / f"loaderd-test-{os.getpid()}"
+    under = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(folder / "cgroup.procs")]
     try:
         folder.mkdir()
-        limit = "memory.limit_in_bytes" if own[0] == 1 else "memory.max"
-        (folder / limit).write_text(str(limit_bytes))
     except OSError:
-        if folder.is_dir():
-            folder.rmdir()
         yield None
         return
     try:
-        yield ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(folder / "cgroup.procs")]
+        limit = "memory.limit_in_bytes" if own[0] == 1 else "memory.max"
+        (folder / limit).write_text(str(limit_bytes))
+        joined = subprocess.run([*under, "true"], capture_output=True, check=False)
+    except OSError:
+        joined = None
+    if joined is None or joined.returncode != 0:  # no limit to set, or no joining it here
+        folder.rmdir()
+        yield None
+        return
+    try:
+        yield under
     finally:
         wait_until(
             lambda: not (folder / "cgroup.procs").read_text().strip(), what="the group empty"
